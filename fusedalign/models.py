@@ -1,0 +1,112 @@
+"""Loading models and tokenizers: ``builtin:<name>`` resources, local paths, hub ids.
+
+The builtin models are real checkpoints under ``fusedalign/resources/models/`` (config,
+safetensors weights and a copy of the builtin tokenizer), so they go through the same
+``from_pretrained`` path as any other model: DeepSpeed ZeRO-3's ``zero.Init`` and FSDP2
+see a real load.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+BUILTIN_PREFIX = "builtin:"
+RESOURCES = Path(__file__).resolve().parent / "resources"
+MODELS_DIR = RESOURCES / "models"
+TOKENIZER_DIR = RESOURCES / "tokenizer"
+
+# "org/name" or "name", as the hub spells repository ids.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
+
+
+class ModelNotFoundError(FileNotFoundError, ValueError):
+    """A model or tokenizer name that resolves to nothing loadable."""
+
+
+def list_builtin_models() -> list[str]:
+    """Names of the packaged models, usable as ``builtin:<name>``."""
+    if not MODELS_DIR.is_dir():
+        return []
+    return sorted(p.name for p in MODELS_DIR.iterdir() if (p / "config.json").is_file())
+
+
+def resolve_model_path(name_or_path: str | os.PathLike) -> str:
+    """Turns a model reference into what ``from_pretrained`` accepts.
+
+    Args:
+        name_or_path: ``builtin:<name>`` (a packaged tiny model), ``builtin:tokenizer``
+            (the packaged tokenizer alone), a local directory, or a hub id.
+
+    Returns:
+        A local directory for builtin names and existing paths; a hub id unchanged.
+
+    Raises:
+        ModelNotFoundError: an unknown builtin name (the message lists the known ones), or a
+            path that does not exist and cannot be a hub id.
+    """
+    name = os.fspath(name_or_path)
+    if name.startswith(BUILTIN_PREFIX):
+        short = name[len(BUILTIN_PREFIX):]
+        if short == "tokenizer":
+            return str(TOKENIZER_DIR)
+        if short in list_builtin_models():
+            return str(MODELS_DIR / short)
+        available = ", ".join(BUILTIN_PREFIX + n for n in list_builtin_models())
+        raise ModelNotFoundError(
+            f"unknown builtin model {name!r}; available: {available} (and builtin:tokenizer)"
+        )
+    if os.path.exists(os.path.expanduser(name)):
+        return os.path.expanduser(name)
+    if not _HUB_ID.match(name):
+        raise ModelNotFoundError(
+            f"model path {name!r} does not exist (and is not a hub id of the form 'org/name'); "
+            f"builtin models: {', '.join(BUILTIN_PREFIX + n for n in list_builtin_models())}"
+        )
+    return name
+
+
+def load_tokenizer(name_or_path: str | os.PathLike, **kwargs: Any):
+    """Loads a tokenizer with ``AutoTokenizer.from_pretrained``.
+
+    A tokenizer without a pad token gets its eos token as pad token, since every collator
+    pads (the pad positions are masked out, so the choice does not change any loss).
+
+    Args:
+        name_or_path: as for :func:`resolve_model_path`.
+        **kwargs: passed to ``AutoTokenizer.from_pretrained``.
+
+    Returns:
+        The tokenizer.
+    """
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(name_or_path), **kwargs)
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(name_or_path: str | os.PathLike, *, dtype: Any = None, **kwargs: Any):
+    """Loads a causal LM with ``AutoModelForCausalLM.from_pretrained``.
+
+    Args:
+        name_or_path: as for :func:`resolve_model_path`.
+        dtype: a ``torch.dtype``, its name (``"bfloat16"``) or ``"auto"``; None leaves
+            ``from_pretrained``'s default. The builtin models are stored in float32.
+        **kwargs: passed to ``from_pretrained`` (``attn_implementation``, ``device_map``...).
+
+    Returns:
+        The model.
+    """
+    from transformers import AutoModelForCausalLM
+
+    if isinstance(dtype, str) and dtype != "auto":
+        import torch
+
+        dtype = getattr(torch, dtype)
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    return AutoModelForCausalLM.from_pretrained(resolve_model_path(name_or_path), **kwargs)
