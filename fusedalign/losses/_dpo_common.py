@@ -1,0 +1,72 @@
+"""What every DPO variant receives: the pair's log-probs and the loss options.
+
+Each variant in `dpo_margin.py` and `dpo_anchored.py` is `fn(pairs, opts) -> losses [B]`,
+so that `dpo.DPO_LOSSES` is a plain table and a new variant is one function.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+
+class PairLogps(NamedTuple):
+    """Sequence log-probs of a batch of preference pairs (sums over completion tokens).
+
+    Attributes:
+        chosen: [B] policy log p(y_w | x).
+        rejected: [B] policy log p(y_l | x).
+        ref_chosen: [B] reference log p(y_w | x) (zeros when reference-free).
+        ref_rejected: [B] reference log p(y_l | x) (zeros when reference-free).
+        chosen_lengths: [B] or scalar, completion tokens of y_w, or None.
+        rejected_lengths: [B] or scalar, completion tokens of y_l, or None.
+    """
+
+    chosen: Tensor
+    rejected: Tensor
+    ref_chosen: Tensor
+    ref_rejected: Tensor
+    chosen_lengths: Tensor | None = None
+    rejected_lengths: Tensor | None = None
+
+    @property
+    def chosen_logratios(self) -> Tensor:  # [B] log pi(y_w|x) / pi_ref(y_w|x)
+        return self.chosen - self.ref_chosen
+
+    @property
+    def rejected_logratios(self) -> Tensor:  # [B] log pi(y_l|x) / pi_ref(y_l|x)
+        return self.rejected - self.ref_rejected
+
+    @property
+    def margin(self) -> Tensor:  # [B] the DPO "logits": h = chosen_logratios - rejected_logratios
+        return self.chosen_logratios - self.rejected_logratios
+
+
+@dataclass(frozen=True)
+class DPOOptions:
+    """Non-tensor options shared by the variants (each reads only what it needs).
+
+    Attributes:
+        beta: Inverse temperature of the implicit reward, > 0.
+        label_smoothing: Assumed probability that a pair's label is flipped, in [0, 0.5].
+        bco_delta: Running mean of the rewards, the reward shift of `bco_pair` (detached).
+        discopop_tau: Temperature of DiscoPOP's mixing gate.
+    """
+
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    bco_delta: Tensor | float = 0.0
+    discopop_tau: float = 0.05
+
+
+def lengths_of(lengths: Tensor | float | None, like: Tensor, name: str, loss_type: str) -> Tensor:
+    """Token counts as a tensor like `like`, at least 1 so an empty completion gives 0, not NaN."""
+    if lengths is None:
+        raise ValueError(
+            f"loss_type={loss_type!r} normalises by completion length: pass `{name}` "
+            "(number of completion tokens per example, or one global average as a scalar)."
+        )
+    return torch.as_tensor(lengths, dtype=like.dtype, device=like.device).clamp(min=1.0)
