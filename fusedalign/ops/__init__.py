@@ -1,0 +1,26 @@
+"""Per-token log-probs from hidden states through the output head, never materialising N x V.
+
+The only place in fusedalign that computes log-probs from hidden states; see
+docs/internals.md for the contract.
+"""
+
+from fusedalign.ops.api import head_logprobs, reference_head_logprobs
+from fusedalign.ops.options import HeadOptions, HeadOutput, LowRank
+from fusedalign.ops.registry import (
+    Backend,
+    BackendUnavailableError,
+    known_backends,
+    register_backend,
+)
+
+__all__ = [
+    "Backend",
+    "BackendUnavailableError",
+    "HeadOptions",
+    "HeadOutput",
+    "LowRank",
+    "head_logprobs",
+    "known_backends",
+    "reference_head_logprobs",
+    "register_backend",
+]

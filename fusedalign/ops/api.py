@@ -1,0 +1,257 @@
+"""Public entry points of `fusedalign.ops`: validation, autocast, backend dispatch."""
+
+from __future__ import annotations
+
+import math
+from numbers import Real
+
+import torch
+from torch import Tensor
+
+# Importing the built-in backends registers them.
+from fusedalign.ops import chunked as _chunked  # noqa: F401
+from fusedalign.ops import reference as _reference  # noqa: F401
+from fusedalign.ops.options import HeadOptions, HeadOutput, LowRank, resolve_chunk_rows
+from fusedalign.ops.registry import resolve_backend
+
+
+def head_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    bias: Tensor | None = None,
+    *,
+    temperature: float = 1.0,
+    softcap: float | None = None,
+    logit_scale: float = 1.0,
+    ignore_index: int = -100,
+    low_rank: LowRank | None = None,
+    entropy: bool = False,
+    logit_mean: bool = False,
+    argmax: bool = False,
+    chunk_size: int | None = None,
+    memory_budget_bytes: int | None = None,
+    backend: str = "auto",
+) -> HeadOutput:
+    """Per-token log-probabilities of `labels` under the output head, without N x V logits.
+
+    Computes, for every token i,
+
+        a = logit_scale * (hidden @ weight.T + bias + s * down @ up.T)      # [N, V]
+        z = softcap * tanh(a / softcap)   (z = a when softcap is None)       # the logits
+        logps[i] = log_softmax(z[i] / temperature)[labels[i]]
+
+    chunk by chunk, so that memory stays bounded by `memory_budget_bytes` rather than
+    N x V. Differentiable in hidden, weight, bias, low_rank.down and low_rank.up.
+
+    Args:
+        hidden: [N, H] final hidden states (flatten batch and sequence first).
+        weight: [V, H] output embedding, same dtype as `hidden`.
+        labels: [N] integer, the token scored at each position; `ignore_index` where
+            nothing is scored (those positions give exactly 0 and no gradient).
+        bias: [V] output bias, or None.
+        temperature: divides z before the softmax; > 0.
+        softcap: final-logit soft-capping value (Gemma 2 style), or None.
+        logit_scale: multiplies the logits before the softcap (e.g. Cohere's logit_scale).
+        ignore_index: label value meaning "not scored".
+        low_rank: a LoRA adapter on the head (down [N, r], up [V, r], scale), or None.
+        entropy: also return the entropy of softmax(z / temperature), detached.
+        logit_mean: also return the mean of z over the vocabulary, detached.
+        argmax: also return whether argmax(z) == label.
+        chunk_size: tokens per chunk; overrides `memory_budget_bytes`.
+        memory_budget_bytes: bytes for one fp32 logits chunk [rows, V] (default 256 MiB
+            on CUDA, 32 MiB elsewhere); peak extra memory is a small multiple of it.
+        backend: "auto" (picks "torch" today), "torch" (chunked PyTorch), "reference"
+            (unfused, materialises z) or "triton" (when `ops/triton_head.py` exists).
+
+    Returns:
+        HeadOutput with `logps` [N] float32 and the requested statistics ([N] float32, or
+        bool for `argmax_match`), plus the name of the backend that ran.
+
+    Raises:
+        ValueError: a shape, value or backend name is wrong (the message names it).
+        TypeError: a dtype or argument type is wrong.
+        BackendUnavailableError: the backend requested by name cannot run here.
+    """
+    hidden, weight, bias, low_rank = _apply_autocast(hidden, weight, bias, low_rank)
+    _check_tensors(hidden, weight, labels, bias, low_rank)
+    impl = resolve_backend(backend, hidden.device)
+    n, v = hidden.shape[0], weight.shape[0]
+    opts = HeadOptions(
+        temperature=_positive("temperature", temperature),
+        softcap=None if softcap is None else _positive("softcap", softcap),
+        logit_scale=_finite("logit_scale", logit_scale),
+        ignore_index=_integer("ignore_index", ignore_index),
+        low_rank_scale=0.0 if low_rank is None else _finite("low_rank.scale", low_rank.scale),
+        entropy=bool(entropy),
+        logit_mean=bool(logit_mean),
+        argmax=bool(argmax),
+        chunk_rows=resolve_chunk_rows(n, v, hidden.device, chunk_size, memory_budget_bytes),
+    )
+    _check_label_range(labels, v, opts.ignore_index)
+    return impl.run(hidden, weight, labels.long(), bias, low_rank, opts)
+
+
+def reference_head_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    bias: Tensor | None = None,
+    *,
+    temperature: float = 1.0,
+    softcap: float | None = None,
+    logit_scale: float = 1.0,
+    ignore_index: int = -100,
+    low_rank: LowRank | None = None,
+    entropy: bool = False,
+    logit_mean: bool = False,
+    argmax: bool = False,
+    chunk_size: int | None = None,
+    memory_budget_bytes: int | None = None,
+    backend: str = "reference",
+) -> HeadOutput:
+    """The unfused oracle: same signature and result as `head_logprobs`, materialising z.
+
+    `chunk_size` and `memory_budget_bytes` are accepted for signature parity and ignored;
+    `backend` may only be "reference" or "auto". Allocates several [N, V] tensors: for
+    tests and benchmarks, never for training.
+    """
+    if backend not in ("reference", "auto"):
+        raise ValueError(
+            f"reference_head_logprobs always runs the 'reference' backend; got "
+            f"backend={backend!r}. Call head_logprobs(..., backend={backend!r}) instead."
+        )
+    return head_logprobs(
+        hidden, weight, labels, bias, temperature=temperature, softcap=softcap,
+        logit_scale=logit_scale, ignore_index=ignore_index, low_rank=low_rank,
+        entropy=entropy, logit_mean=logit_mean, argmax=argmax, chunk_size=chunk_size,
+        memory_budget_bytes=memory_budget_bytes, backend="reference",
+    )
+
+
+def _apply_autocast(hidden, weight, bias, low_rank):
+    """Cast the inputs as `F.linear` would under an active autocast, then run without it.
+
+    The unfused model computes its logits with `lm_head` under autocast; casting the same
+    tensors here (differentiably, outside the autograd function) gives the same GEMM
+    dtype, and the backend then keeps its softmax in fp32 whatever autocast says.
+    """
+    if not isinstance(hidden, Tensor):
+        return hidden, weight, bias, low_rank  # _check_tensors reports it
+    device_type = hidden.device.type
+    if device_type not in ("cpu", "cuda") or not torch.is_autocast_enabled(device_type):
+        return hidden, weight, bias, low_rank
+    dtype = torch.get_autocast_dtype(device_type)
+
+    def cast(t):
+        # Autocast leaves fp64 alone; so do we.
+        ok = isinstance(t, Tensor) and t.is_floating_point() and t.dtype != torch.float64
+        return t.to(dtype) if ok else t
+
+    if low_rank is not None and isinstance(low_rank, LowRank):
+        low_rank = LowRank(cast(low_rank.down), cast(low_rank.up), low_rank.scale)
+    return cast(hidden), cast(weight), cast(bias), low_rank
+
+
+def _check_tensors(hidden, weight, labels, bias, low_rank) -> None:
+    """Shapes, dtypes and devices, with messages naming the argument and the expectation."""
+    for name, t in (("hidden", hidden), ("weight", weight), ("labels", labels)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if hidden.dim() != 2:
+        raise ValueError(
+            f"hidden must be [N, H] (flatten batch and sequence first); got shape "
+            f"{tuple(hidden.shape)}"
+        )
+    n, h = hidden.shape
+    if not hidden.is_floating_point():
+        raise TypeError(f"hidden must be a floating-point tensor, got {hidden.dtype}")
+    if weight.dim() != 2 or weight.shape[1] != h or weight.shape[0] < 1:
+        raise ValueError(
+            f"weight must be [V, H] = [V, {h}] with V >= 1 (H from hidden [N, H] = "
+            f"{list(hidden.shape)}); got shape {tuple(weight.shape)}"
+        )
+    v = weight.shape[0]
+    _same(hidden, "weight", weight)
+    if labels.shape != (n,):
+        raise ValueError(f"labels must be [N] = [{n}]; got shape {tuple(labels.shape)}")
+    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+        raise TypeError(f"labels must be an integer tensor (torch.long), got {labels.dtype}")
+    _same(hidden, "labels", labels, dtype=False)
+    if bias is not None:
+        if not isinstance(bias, Tensor) or bias.shape != (v,):
+            shape = tuple(bias.shape) if isinstance(bias, Tensor) else type(bias).__name__
+            raise ValueError(f"bias must be None or [V] = [{v}]; got {shape}")
+        if not bias.is_floating_point():
+            raise TypeError(f"bias must be floating-point, got {bias.dtype}")
+        _same(hidden, "bias", bias, dtype=False)
+    if low_rank is not None:
+        _check_low_rank(low_rank, n, v, hidden)
+
+
+def _check_low_rank(low_rank, n: int, v: int, hidden: Tensor) -> None:
+    if not isinstance(low_rank, LowRank):
+        raise TypeError(
+            f"low_rank must be a fusedalign.ops.LowRank(down, up, scale) or None, got "
+            f"{type(low_rank).__name__}"
+        )
+    down, up = low_rank.down, low_rank.up
+    if not isinstance(down, Tensor) or not isinstance(up, Tensor):
+        raise TypeError("low_rank.down and low_rank.up must be torch.Tensors")
+    if down.dim() != 2 or down.shape[0] != n:
+        raise ValueError(f"low_rank.down must be [N, r] = [{n}, r]; got {tuple(down.shape)}")
+    r = down.shape[1]
+    if up.shape != (v, r):
+        raise ValueError(
+            f"low_rank.up must be [V, r] = [{v}, {r}] (r from low_rank.down); got "
+            f"{tuple(up.shape)}"
+        )
+    if not down.is_floating_point() or down.dtype != up.dtype:
+        raise TypeError(
+            f"low_rank.down and low_rank.up must share one floating dtype; got {down.dtype} "
+            f"and {up.dtype}"
+        )
+    _same(hidden, "low_rank.down", down, dtype=False)
+    _same(hidden, "low_rank.up", up, dtype=False)
+
+
+def _same(hidden: Tensor, name: str, t: Tensor, dtype: bool = True) -> None:
+    if t.device != hidden.device:
+        raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
+    if dtype and t.dtype != hidden.dtype:
+        raise TypeError(
+            f"{name} has dtype {t.dtype} but hidden has {hidden.dtype}; cast one of them "
+            "(or run under torch.autocast)"
+        )
+
+
+def _check_label_range(labels: Tensor, v: int, ignore_index: int) -> None:
+    # One small reduction (a device sync on CUDA) buys a clear error instead of an
+    # out-of-range gather, which on CUDA is an asynchronous device-side assert.
+    scored = labels != ignore_index
+    bad = scored & ((labels < 0) | (labels >= v))
+    if labels.numel() and bool(bad.any()):
+        first = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"labels must be in [0, V) = [0, {v}) or ignore_index={ignore_index}; "
+            f"labels[{first}] = {int(labels[first])}"
+        )
+
+
+def _positive(name: str, x) -> float:
+    x = _finite(name, x)
+    if x <= 0:
+        raise ValueError(f"{name} must be > 0, got {x}")
+    return x
+
+
+def _finite(name: str, x) -> float:
+    if isinstance(x, bool) or not isinstance(x, Real) or not math.isfinite(float(x)):
+        raise ValueError(f"{name} must be a finite real number, got {x!r}")
+    return float(x)
+
+
+def _integer(name: str, x) -> int:
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise TypeError(f"{name} must be an int, got {x!r}")
+    return x

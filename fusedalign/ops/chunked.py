@@ -1,0 +1,194 @@
+"""The "torch" backend: chunked over tokens in plain PyTorch (CPU and GPU).
+
+Forward: for each chunk of `rows` tokens build that chunk's logits [rows, V], take the
+log-prob of each label, the logsumexp and any requested statistics, and drop the chunk.
+It saves only the inputs and the per-token logsumexp. Backward recomputes each chunk's
+logits from the inputs and turns them straight into the gradient of the chunk, so no
+tensor of N x V elements ever exists. The cost is one extra logits GEMM (the recompute):
+a per-token op cannot fold its backward into its forward, because the upstream gradient
+is unknown until backward.
+
+Math, with a = logit_scale * (h W^T + b + s * down up^T), z = c * tanh(a / c) (or z = a
+without a softcap), y = z / T and p = softmax(y):
+
+    logp_i          = y[i, label_i] - logsumexp(y_i)
+    d logp_i / d a_ij = (onehot_ij - p_ij) / T * (1 - tanh^2(a_ij / c))
+
+and every parameter gradient follows from G = g_i * logit_scale * d logp_i / d a_ij by
+one GEMM each (h: G W, W: G^T h, b: sum_i G, down: s G up, up: s G^T down).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from fusedalign.ops.options import HeadOptions, HeadOutput, LowRank, compute_dtype
+from fusedalign.ops.registry import Backend, register_backend
+
+
+def _scaled_logits(
+    h: Tensor, weight: Tensor, bias: Tensor | None, down: Tensor | None, up: Tensor | None,
+    opts: HeadOptions, cdt: torch.dtype,
+) -> Tensor:
+    """a = logit_scale * (h W^T + b + s * down up^T) for one chunk: [n, V], fresh, in `cdt`.
+
+    The GEMMs run in the input dtype (tensor cores for bf16); everything after them runs
+    in `cdt` (fp32, or fp64 for fp64 inputs) because the softmax needs the precision.
+    """
+    a = torch.mm(h, weight.t()).to(cdt)  # [n, H] @ [H, V]; .to is a no-op when dtypes match
+    if bias is not None:
+        a.add_(bias.to(cdt))
+    if down is not None:
+        a.add_(torch.mm(down, up.t()).to(cdt), alpha=opts.low_rank_scale)  # [n, r] @ [r, V]
+    if opts.logit_scale != 1.0:
+        a.mul_(opts.logit_scale)
+    return a
+
+
+class _ChunkedHeadLogprobs(torch.autograd.Function):
+    """Autograd function; `opts` carries every non-tensor option (fixed backward arity)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, bias, down, up, opts: HeadOptions):
+        # Autocast is resolved by the caller (api.py casts the inputs); inside, the
+        # softmax must stay in fp32 whatever autocast would choose.
+        with torch.autocast(hidden.device.type, enabled=False):
+            out = _forward(hidden, weight, labels, bias, down, up, opts)
+        ctx.save_for_backward(hidden, weight, labels, bias, down, up, out[-1])
+        ctx.opts = opts
+        stats = [t for t in out[1:4] if t is not None]
+        ctx.mark_non_differentiable(*stats)
+        return out[:4]
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_logps, _grad_entropy, _grad_mean, _grad_argmax):
+        hidden, weight, labels, bias, down, up, lse = ctx.saved_tensors
+        needs = ctx.needs_input_grad  # (hidden, weight, labels, bias, down, up, opts)
+        with torch.autocast(hidden.device.type, enabled=False):
+            grads = _backward(
+                grad_logps, hidden, weight, labels, bias, down, up, lse, ctx.opts,
+                need_h=needs[0], need_w=needs[1], need_b=needs[3],
+                need_down=needs[4], need_up=needs[5],
+            )
+        g_h, g_w, g_b, g_down, g_up = grads
+        return g_h, g_w, None, g_b, g_down, g_up, None
+
+
+def _forward(hidden, weight, labels, bias, down, up, opts: HeadOptions):
+    """Returns (logps, entropy, logit_mean, argmax_match, lse); stats None unless asked."""
+    n, dev = hidden.shape[0], hidden.device
+    cdt = compute_dtype(hidden.dtype)
+    valid = labels != opts.ignore_index
+    safe = labels.masked_fill(~valid, 0)  # ignored labels become index 0: never out of range
+    logps = torch.zeros(n, dtype=torch.float32, device=dev)
+    lse = torch.empty(n, dtype=cdt, device=dev)
+    entropy = torch.empty(n, dtype=torch.float32, device=dev) if opts.entropy else None
+    mean = torch.empty(n, dtype=torch.float32, device=dev) if opts.logit_mean else None
+    match = torch.empty(n, dtype=torch.bool, device=dev) if opts.argmax else None
+    T, c = opts.temperature, opts.softcap
+
+    for start in range(0, n, opts.chunk_rows):
+        sl = slice(start, start + opts.chunk_rows)
+        y = _scaled_logits(
+            hidden[sl], weight, bias, None if down is None else down[sl], up, opts, cdt
+        )
+        if c is not None:
+            y.div_(c).tanh_().mul_(c)  # z, in place
+        if T != 1.0:
+            y.div_(T)  # y = z / T, in place; the statistics below undo T where they need z
+        m = y.amax(dim=1, keepdim=True)  # [n, 1]: shift so exp never overflows
+        if opts.entropy:
+            d = y - m  # [n, V]
+            e = d.exp()
+            s = e.sum(dim=1)
+            # H = lse - E_p[y] = log s - E_p[y - m]: the shifted form avoids cancelling
+            # two large numbers when the logits are large.
+            entropy[sl] = s.log() - e.mul_(d).sum(dim=1) / s
+            del d, e
+        else:
+            s = torch.sub(y, m).exp_().sum(dim=1)
+        lse_c = m.squeeze(1) + s.log()
+        lse[sl] = lse_c
+        target = y.gather(1, safe[sl, None]).squeeze(1)
+        logps[sl] = torch.where(valid[sl], target - lse_c, 0.0)
+        if mean is not None:
+            mean[sl] = y.mean(dim=1) * T
+        if match is not None:
+            # argmax of z equals argmax of z / T because T > 0.
+            match[sl] = (y.argmax(dim=1) == safe[sl]) & valid[sl]
+    return logps, entropy, mean, match, lse
+
+
+def _backward(g, hidden, weight, labels, bias, down, up, lse, opts: HeadOptions,
+              *, need_h: bool, need_w: bool, need_b: bool, need_down: bool, need_up: bool):
+    """Gradients (hidden, weight, bias, down, up) of sum_i g_i logp_i; None where not needed."""
+    n, dev = hidden.shape[0], hidden.device
+    cdt = compute_dtype(hidden.dtype)
+    T, c = opts.temperature, opts.softcap
+    valid = labels != opts.ignore_index
+    safe = labels.masked_fill(~valid, 0)
+    # Ignored positions get exactly zero gradient, even if the upstream sent NaN there.
+    gs = torch.where(valid, g.to(cdt), 0.0) * (opts.logit_scale / T)  # [N]
+
+    g_h = torch.empty_like(hidden) if need_h else None
+    # Parameter gradients are sums over every token: accumulate them in fp32 (fp64 for
+    # fp64 inputs) across chunks, and cast once at the end.
+    g_w = torch.zeros(weight.shape, dtype=cdt, device=dev) if need_w else None
+    g_b = torch.zeros(bias.shape, dtype=cdt, device=dev) if need_b else None
+    g_down = torch.empty_like(down) if need_down else None
+    g_up = torch.zeros(up.shape, dtype=cdt, device=dev) if need_up else None
+
+    for start in range(0, n, opts.chunk_rows):
+        sl = slice(start, start + opts.chunk_rows)
+        h_c, down_c = hidden[sl], None if down is None else down[sl]
+        a = _scaled_logits(h_c, weight, bias, down_c, up, opts, cdt)
+        if c is not None:
+            t = a.div_(c).tanh_()  # tanh(a / c); z = c * t
+            y = t * (c / T)
+        else:
+            t, y = None, (a.div_(T) if T != 1.0 else a)
+        gs_c = gs[sl, None]  # [n, 1]
+        G = y.sub_(lse[sl, None]).exp_().mul_(-gs_c)  # -g p, in place over y: [n, V]
+        G.scatter_add_(1, safe[sl, None], gs_c)  # + g onehot (gs is 0 on ignored rows)
+        if t is not None:
+            G.mul_(t.square_().neg_().add_(1.0))  # softcap chain rule: 1 - tanh^2
+            del t
+        # G = d(sum g logp) / d(h W^T + b + s down up^T) for this chunk, in cdt.
+        G_in = G.to(hidden.dtype)  # GEMMs in the input dtype, like the forward
+        if need_h:
+            torch.mm(G_in, weight, out=g_h[sl])  # [n, V] @ [V, H]
+        if need_w:
+            if G_in.dtype == cdt:
+                g_w.addmm_(G_in.t(), h_c)  # [V, n] @ [n, H]
+            else:
+                g_w.add_(torch.mm(G_in.t(), h_c))
+        if need_b:
+            g_b.add_(G.sum(dim=0))
+        if need_down or need_up:
+            G_lr = G.to(down.dtype)
+            if need_down:
+                torch.mm(G_lr, up, out=g_down[sl]).mul_(opts.low_rank_scale)  # [n, V] @ [V, r]
+            if need_up:
+                g_up.add_(torch.mm(G_lr.t(), down_c).to(cdt), alpha=opts.low_rank_scale)
+        del a, y, G, G_in
+
+    cast = lambda acc, like: None if acc is None else acc.to(like.dtype)  # noqa: E731
+    return g_h, cast(g_w, weight), cast(g_b, bias), g_down, cast(g_up, up)
+
+
+def chunked_head_logprobs(
+    hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None,
+    low_rank: LowRank | None, opts: HeadOptions,
+) -> HeadOutput:
+    """The "torch" backend. Inputs are validated by `head_logprobs`; shapes as there."""
+    down, up = (None, None) if low_rank is None else (low_rank.down, low_rank.up)
+    logps, entropy, mean, match = _ChunkedHeadLogprobs.apply(
+        hidden, weight, labels, bias, down, up, opts
+    )
+    return HeadOutput(logps, entropy, mean, match, backend="torch-chunked")
+
+
+register_backend(Backend(key="torch", name="torch-chunked", run=chunked_head_logprobs))

@@ -1,0 +1,127 @@
+"""Types shared by every backend of `head_logprobs`: inputs, options, outputs, chunking.
+
+Nothing here computes log-probs; it pins what a backend receives and returns so that a
+new backend (e.g. `ops/triton_head.py`) only has to implement the math.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+# Default size of ONE fp32 logits chunk [rows, V]. Peak working memory of the chunked
+# backend is a small multiple of it (the chunk's logits, its probabilities / gradient,
+# and a copy in the input dtype for the gradient GEMMs). On CUDA 256 MiB keeps the GEMMs
+# large enough to run near peak (e.g. 441 rows at V = 151,936); on CPU smaller chunks stay
+# closer to the caches and cost nothing in GEMM efficiency.
+DEFAULT_BUDGET_BYTES_CUDA = 256 * 2**20
+DEFAULT_BUDGET_BYTES_CPU = 32 * 2**20
+# Once the whole batch does not fit the budget we split it at least this many ways, so
+# that no chunk approaches half the full logits even when the budget is just too small.
+MIN_CHUNKS_WHEN_SPLIT = 4
+
+
+class LowRank(NamedTuple):
+    """A LoRA adapter on the head: logits += scale * down @ up.T.
+
+    Attributes:
+        down: [N, r] = lora_A(dropout(hidden)), computed by the caller, so autograd
+            carries its gradient on into lora_A and the hidden states.
+        up: [V, r] = lora_B.weight.
+        scale: lora_alpha / r (or whatever the adapter multiplies by).
+    """
+
+    down: Tensor
+    up: Tensor
+    scale: float
+
+
+class HeadOutput(NamedTuple):
+    """What `head_logprobs` returns.
+
+    Attributes:
+        logps: [N] float32, log-prob of each label; exactly 0 (and no gradient) where
+            labels == ignore_index.
+        entropy: [N] float32, detached entropy of softmax(z / T); None unless requested.
+        logit_mean: [N] float32, detached mean over the vocabulary of z; None unless requested.
+        argmax_match: [N] bool, argmax_v z == label (False where ignored); None unless requested.
+        backend: which backend ran: "torch-chunked", "triton" or "reference".
+    """
+
+    logps: Tensor
+    entropy: Tensor | None
+    logit_mean: Tensor | None
+    argmax_match: Tensor | None
+    backend: str
+
+
+@dataclass(frozen=True)
+class HeadOptions:
+    """Every non-tensor option of the op, in one immutable object.
+
+    It travels through `torch.autograd.Function.apply` as a single argument (as in Cut
+    Cross-Entropy), so `backward` returns a short, fixed number of gradients however
+    many options the op grows.
+    """
+
+    temperature: float = 1.0
+    softcap: float | None = None
+    logit_scale: float = 1.0
+    ignore_index: int = -100
+    low_rank_scale: float = 0.0
+    entropy: bool = False
+    logit_mean: bool = False
+    argmax: bool = False
+    chunk_rows: int = 1  # tokens per chunk; resolved from the budget before dispatch
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype of the softmax arithmetic: fp32, or fp64 when the inputs are fp64 (tests)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def resolve_chunk_rows(
+    n: int,
+    v: int,
+    device: torch.device,
+    chunk_size: int | None = None,
+    memory_budget_bytes: int | None = None,
+) -> int:
+    """Number of tokens per chunk.
+
+    Args:
+        n: number of tokens N.
+        v: vocabulary size V.
+        device: where the op runs (picks the default budget).
+        chunk_size: explicit rows per chunk; wins over the budget.
+        memory_budget_bytes: bytes allowed for one fp32 logits chunk [rows, V].
+
+    Returns:
+        rows per chunk, >= 1.
+    """
+    if chunk_size is not None:
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        return chunk_size
+    if memory_budget_bytes is None:
+        cuda = device.type == "cuda"
+        memory_budget_bytes = DEFAULT_BUDGET_BYTES_CUDA if cuda else DEFAULT_BUDGET_BYTES_CPU
+    elif (
+        isinstance(memory_budget_bytes, bool)
+        or not isinstance(memory_budget_bytes, int)
+        or memory_budget_bytes < 1
+    ):
+        raise ValueError(
+            f"memory_budget_bytes must be a positive int, got {memory_budget_bytes!r}"
+        )
+    rows = max(1, memory_budget_bytes // (4 * v))
+    if rows >= n:
+        return max(n, 1)  # the whole batch fits: one chunk
+    rows = min(rows, math.ceil(n / MIN_CHUNKS_WHEN_SPLIT))
+    if rows >= 128:
+        rows -= rows % 64  # GEMM-friendly row counts; harmless elsewhere
+    return rows

@@ -1,0 +1,49 @@
+"""The "reference" backend: the unfused computation, materialising z [N, V].
+
+It is the definition in docs/internals.md written as plainly as possible and
+differentiated by autograd. Tests and benchmarks compare every other backend with it;
+training should never use it (it allocates several N x V tensors).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from fusedalign.ops.options import HeadOptions, HeadOutput, LowRank, compute_dtype
+from fusedalign.ops.registry import Backend, register_backend
+
+
+def unfused_head_logprobs(
+    hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None,
+    low_rank: LowRank | None, opts: HeadOptions,
+) -> HeadOutput:
+    """The "reference" backend. Inputs are validated by `head_logprobs`; shapes as there."""
+    cdt = compute_dtype(hidden.dtype)
+    # The GEMMs run in the input dtype and are upcast afterwards, as in every backend.
+    a = (hidden @ weight.t()).to(cdt)  # [N, H] @ [H, V]
+    if bias is not None:
+        a = a + bias.to(cdt)
+    if low_rank is not None:
+        a = a + low_rank.scale * (low_rank.down @ low_rank.up.t()).to(cdt)  # [N, r] @ [r, V]
+    a = a * opts.logit_scale
+    z = a if opts.softcap is None else opts.softcap * torch.tanh(a / opts.softcap)
+    logp_all = torch.log_softmax(z / opts.temperature, dim=-1)  # [N, V]
+
+    valid = labels != opts.ignore_index
+    safe = labels.masked_fill(~valid, 0)
+    target = logp_all.gather(1, safe[:, None]).squeeze(1)
+    logps = torch.where(valid, target, 0.0).to(torch.float32)
+
+    entropy = mean = match = None
+    with torch.no_grad():
+        if opts.entropy:
+            entropy = -(logp_all.exp() * logp_all).sum(dim=-1).float()
+        if opts.logit_mean:
+            mean = z.mean(dim=-1).float()
+        if opts.argmax:
+            match = (z.argmax(dim=-1) == safe) & valid
+    return HeadOutput(logps, entropy, mean, match, backend="reference")
+
+
+register_backend(Backend(key="reference", name="reference", run=unfused_head_logprobs))

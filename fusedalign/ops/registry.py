@@ -1,0 +1,107 @@
+"""Backends of `head_logprobs`, by name.
+
+A backend is a function `(hidden, weight, labels, bias, low_rank, opts) -> HeadOutput`
+computing the definition in docs/internals.md. Built-in backends register themselves
+when their module is imported; optional ones (a CUDA Triton kernel in
+`ops/triton_head.py`) are imported only when asked for, so a missing dependency costs
+nothing until someone requests that backend by name — and then fails loudly, never
+swapping in another computation.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from fusedalign.ops.options import HeadOptions, HeadOutput, LowRank
+
+BackendFn = Callable[
+    [Tensor, Tensor, Tensor, "Tensor | None", "LowRank | None", HeadOptions], HeadOutput
+]
+
+
+class BackendUnavailableError(RuntimeError):
+    """A backend was requested by name but cannot run here."""
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One implementation of the op.
+
+    Attributes:
+        key: what callers pass as `backend=` ("torch", "reference", "triton").
+        name: what `HeadOutput.backend` reports ("torch-chunked", ...).
+        run: the implementation.
+        unavailable_reason: returns None when the backend can run on `device`, else a
+            sentence saying why not.
+    """
+
+    key: str
+    name: str
+    run: BackendFn
+    unavailable_reason: Callable[[torch.device], str | None] = lambda device: None
+
+
+_BACKENDS: dict[str, Backend] = {}
+# Backends living in optional modules, imported on first request.
+_LAZY_MODULES = {"triton": "fusedalign.ops.triton_head"}
+# What backend="auto" tries, in order. Only "torch" for now: a faster backend joins
+# the front of this list once it matches "torch" in the parity tests.
+_AUTO_ORDER = ("torch",)
+
+
+def register_backend(backend: Backend) -> None:
+    """Make `backend` selectable as `head_logprobs(..., backend=backend.key)`."""
+    existing = _BACKENDS.get(backend.key)
+    if existing is not None and existing.run is not backend.run:
+        raise ValueError(f"a different backend is already registered as {backend.key!r}")
+    _BACKENDS[backend.key] = backend
+
+
+def known_backends() -> list[str]:
+    """Every key `backend=` accepts (some may be unavailable on this machine)."""
+    return sorted({"auto", *_BACKENDS, *_LAZY_MODULES})
+
+
+def _lookup(key: str) -> Backend:
+    if key not in _BACKENDS and key in _LAZY_MODULES:
+        module = _LAZY_MODULES[key]
+        try:
+            importlib.import_module(module)
+        except ImportError as err:
+            raise BackendUnavailableError(
+                f"backend {key!r} is not available: importing {module} failed ({err}). "
+                "Use backend='torch' (or 'auto')."
+            ) from err
+    if key not in _BACKENDS:
+        raise ValueError(f"unknown backend {key!r}; choose one of {known_backends()}")
+    return _BACKENDS[key]
+
+
+def resolve_backend(requested: str, device: torch.device) -> Backend:
+    """The backend to run for `backend=requested` on `device`.
+
+    Raises:
+        ValueError: `requested` names no backend.
+        BackendUnavailableError: it names one that cannot run on `device`.
+    """
+    if not isinstance(requested, str):
+        raise TypeError(f"backend must be a string, got {type(requested).__name__}")
+    if requested == "auto":
+        for key in _AUTO_ORDER:
+            backend = _lookup(key)
+            if backend.unavailable_reason(device) is None:
+                return backend
+        raise BackendUnavailableError(f"no backend of {_AUTO_ORDER} can run on {device}")
+    backend = _lookup(requested)
+    reason = backend.unavailable_reason(device)
+    if reason is not None:
+        raise BackendUnavailableError(
+            f"backend {requested!r} cannot run on {device}: {reason}. "
+            "Use backend='torch' (or 'auto')."
+        )
+    return backend
