@@ -1,0 +1,448 @@
+"""Installs the log-prob op inside the model's output-embedding forward.
+
+This is the only module that knows how `fusedalign.ops.head_logprobs` gets into a
+model. `fused_head(model, labels)` replaces the forward of the module that
+`get_output_embeddings()` returns, for the duration of a `with` block, so that the
+model's ordinary forward — called through whatever wrapper a backend put around it
+(DDP, a DeepSpeed engine, an FSDP2 module) — returns per-token log-probs `[B, T]`
+where it would have returned logits `[B, T, V]`.
+
+Why inside the head's own forward: every backend attaches its machinery to module
+calls. ZeRO-3 gathers a module's parameters in a pre-forward hook, re-partitions them
+after, and arms its gradient reduction through hooks on the module's outputs; FSDP2
+unshards the root's parameters for the root forward; DDP's reducer watches the
+parameters' gradients. Reading `lm_head.weight` by attribute outside that call sees an
+empty ZeRO-3 shard or a stale FSDP2 shard. Inside the call, every hook has fired.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, NamedTuple
+
+import torch
+from torch import nn
+
+from fusedalign.ops import LowRank, head_logprobs
+
+IGNORE_INDEX = -100
+
+
+class TokenLogProbs(NamedTuple):
+    """Per-token results of one forward, fused or not.
+
+    Attributes:
+        logps: [B, T] float32 log-prob of each label, 0 where the label is ignored.
+            Carries the gradient (through every hook the backend attached).
+        entropy: [B, T] float32 entropy of the predictive distribution, detached, or None.
+        logit_mean: [B, T] float32 mean over the vocabulary of the logits, detached, or None.
+        argmax_match: [B, T] bool, whether the most likely token is the label, or None.
+    """
+
+    logps: torch.Tensor
+    entropy: torch.Tensor | None = None
+    logit_mean: torch.Tensor | None = None
+    argmax_match: torch.Tensor | None = None
+
+
+class UnsupportedArchitectureError(ValueError):
+    """Raised for a model whose post-head logit processing fusedalign cannot vouch for."""
+
+
+# --------------------------------------------------------------------------------------
+# Logit post-processing after the head, per architecture.
+#
+# A model may transform the head's output before returning logits (Gemma 2/3 soft-cap
+# them, Cohere multiplies by a scale, Granite divides). While the fused head is active
+# that step must move into the op (it acts on the logits inside the softmax), and the
+# model's own copy must be switched off, or the log-probs would be of the wrong
+# distribution. Each entry reads the step's parameters from the causal-LM module and
+# returns (op kwargs, a function that switches the model's step off and returns an undo).
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PostProcessing:
+    """How the model transforms `lm_head`'s output; folded into the op while fused."""
+
+    softcap: float | None = None
+    logit_scale: float = 1.0
+    disable: Callable[[], Callable[[], None]] = field(default=lambda: (lambda: None))
+
+
+def _no_post_processing(lm: nn.Module) -> PostProcessing:
+    return PostProcessing()
+
+
+def _swap_attr(obj: Any, name: str, value: Any) -> Callable[[], Callable[[], None]]:
+    def disable() -> Callable[[], None]:
+        old = getattr(obj, name)
+        setattr(obj, name, value)
+        return lambda: setattr(obj, name, old)
+
+    return disable
+
+
+def _final_logit_softcapping(lm: nn.Module) -> PostProcessing:
+    cap = getattr(lm.config, "final_logit_softcapping", None)
+    if cap is None:
+        return PostProcessing()
+    return PostProcessing(softcap=float(cap), disable=_swap_attr(lm.config, "final_logit_softcapping", None))
+
+
+def _cohere_logit_scale(lm: nn.Module) -> PostProcessing:
+    return PostProcessing(logit_scale=float(lm.logit_scale), disable=_swap_attr(lm, "logit_scale", 1.0))
+
+
+def _granite_logits_scaling(lm: nn.Module) -> PostProcessing:
+    scaling = float(lm.config.logits_scaling)
+    return PostProcessing(logit_scale=1.0 / scaling, disable=_swap_attr(lm.config, "logits_scaling", 1.0))
+
+
+# model_type -> reader of its post-head processing. Only architectures whose
+# `ForCausalLM.forward` was read and found to apply exactly this step are listed.
+POST_PROCESSING: dict[str, Callable[[nn.Module], PostProcessing]] = {
+    **{
+        name: _no_post_processing
+        for name in (
+            "llama", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "mistral", "mixtral", "phi3",
+            "gemma", "olmo", "olmo2", "smollm3", "starcoder2", "stablelm", "ministral",
+        )
+    },
+    "gemma2": _final_logit_softcapping,
+    "gemma3": _final_logit_softcapping,
+    "gemma3_text": _final_logit_softcapping,
+    "vaultgemma": _final_logit_softcapping,
+    "cohere": _cohere_logit_scale,
+    "cohere2": _cohere_logit_scale,
+    "granite": _granite_logits_scaling,
+    "granitemoe": _granite_logits_scaling,
+}
+
+
+def register_architecture(model_type: str, reader: Callable[[nn.Module], PostProcessing]) -> None:
+    """Declares how a model type post-processes its logits, so `fused_head` accepts it.
+
+    Args:
+        model_type: `config.model_type` of the architecture.
+        reader: Given the causal-LM module, returns its `PostProcessing`
+            (`_no_post_processing` when `forward` returns `lm_head(hidden)` unchanged).
+    """
+    POST_PROCESSING[model_type] = reader
+
+
+# --------------------------------------------------------------------------------------
+# Finding the causal-LM module and its head through wrappers.
+# --------------------------------------------------------------------------------------
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """Returns the transformers model under DDP / DeepSpeed / PEFT wrappers.
+
+    FSDP2 modifies modules in place, so there is nothing to unwrap for it.
+    """
+    seen = 0
+    while seen < 8:
+        seen += 1
+        if hasattr(model, "get_base_model") and callable(model.get_base_model):  # PEFT
+            model = model.get_base_model()
+        elif not hasattr(model, "config") and isinstance(getattr(model, "module", None), nn.Module):
+            model = model.module  # DDP, DeepSpeedEngine, accelerate wrappers
+        else:
+            return model
+    return model
+
+
+def _post_processing(lm: nn.Module) -> PostProcessing:
+    model_type = getattr(getattr(lm, "config", None), "model_type", None)
+    reader = POST_PROCESSING.get(model_type)
+    if reader is None:
+        raise UnsupportedArchitectureError(
+            f"fused_head does not know how {type(lm).__name__} (model_type={model_type!r}) processes "
+            "its logits after lm_head, so it cannot guarantee the fused log-probs equal the model's. "
+            "Train with fused_head=False (CLI: --fused_head false), or declare the architecture with "
+            "fusedalign.head.register_architecture(model_type, reader) after checking its forward."
+        )
+    return reader(lm)
+
+
+def _is_lora_layer(module: nn.Module) -> bool:
+    return hasattr(module, "base_layer") and hasattr(module, "lora_A") and hasattr(module, "lora_B")
+
+
+# --------------------------------------------------------------------------------------
+# The context manager.
+# --------------------------------------------------------------------------------------
+
+
+class FusedHead:
+    """State of one `fused_head` context: the op's options and the last statistics."""
+
+    def __init__(self, labels: torch.Tensor, post: PostProcessing, temperature: float, stats: dict[str, bool]):
+        self.labels = labels
+        self.post = post
+        self.temperature = temperature
+        self.stats_requested = stats
+        self.calls = 0
+        self.last = None  # HeadOutput of the last head call, reshaped to [B, T]
+
+    def compute(
+        self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, low_rank: LowRank | None
+    ) -> torch.Tensor:
+        """Runs the op for hidden `[B, T', H]` and returns log-probs `[B, T']`."""
+        batch, kept, width = hidden.shape
+        labels = self.labels
+        if labels.shape[0] != batch or labels.shape[1] < kept:
+            raise ValueError(
+                f"fused_head: labels have shape {tuple(labels.shape)} but the head received hidden states "
+                f"of shape {tuple(hidden.shape)}; labels must be [batch, seq_len] aligned to the input positions."
+            )
+        # `logits_to_keep` slices the last positions before the head; score the same ones.
+        labels = labels[:, labels.shape[1] - kept :].to(hidden.device)
+        out = head_logprobs(
+            hidden.reshape(-1, width),  # [B*T', H]
+            weight,  # [V, H]
+            labels.reshape(-1),  # [B*T']
+            bias,
+            temperature=self.temperature,
+            softcap=self.post.softcap,
+            logit_scale=self.post.logit_scale,
+            ignore_index=IGNORE_INDEX,
+            low_rank=low_rank,
+            **self.stats_requested,
+        )
+        self.calls += 1
+        self.last = out._replace(
+            **{
+                name: (value.view(batch, kept) if torch.is_tensor(value) else value)
+                for name, value in out._asdict().items()
+            }
+        )
+        return self.last.logps
+
+
+def _plain_forward(state: FusedHead) -> Callable:
+    def forward(self: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
+        # Runs inside the module call: every backend's pre-forward hook has fired, so
+        # `self.weight` is the full, current weight (gathered / unsharded).
+        return state.compute(hidden, self.weight, self.bias, None)
+
+    return forward
+
+
+def _lora_forward(state: FusedHead) -> Callable:
+    """Forward for a PEFT LoRA layer on the head: W x + b + Σ scale·B(A(dropout(x))).
+
+    The A projections are ordinary module calls. The base weight and the B weights are
+    read inside their own modules' calls, nested, so that every one of them is gathered
+    at once when the op runs — and each module's backward hooks wrap the output.
+    """
+
+    def forward(self: nn.Module, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        base = self.get_base_layer()
+        if self.disable_adapters or self.merged:
+            adapters = []
+        else:
+            adapters = [a for a in self.active_adapters if a in self.lora_A]
+        for name in adapters:
+            if getattr(self, "use_dora", {}).get(name, False) or self.lora_B[name].bias is not None:
+                raise NotImplementedError(
+                    f"fused_head supports plain LoRA on the output head; adapter {name!r} uses DoRA or a "
+                    "LoRA bias. Use fused_head=False, or drop LoRA from lm_head (--lora_target_modules)."
+                )
+        downs = [
+            self.lora_A[name](self.lora_dropout[name](hidden.to(self.lora_A[name].weight.dtype))) * self.scaling[name]
+            for name in adapters
+        ]
+        up_modules = [self.lora_B[name] for name in adapters]
+        ups: list[torch.Tensor] = []
+
+        def innermost(x: torch.Tensor) -> torch.Tensor:
+            low_rank = None
+            if ups:
+                down = torch.cat(downs, dim=-1).reshape(-1, sum(d.shape[-1] for d in downs))  # [N, Σr]
+                up = torch.cat(ups, dim=-1)  # [V, Σr]
+                low_rank = LowRank(down=down.to(x.dtype), up=up.to(x.dtype), scale=1.0)
+            return state.compute(x, base.weight, base.bias, low_rank)
+
+        return _nested_calls([base, *up_modules], ups, innermost)(hidden)
+
+    return forward
+
+
+def _nested_calls(modules: list[nn.Module], weights: list[torch.Tensor], innermost: Callable) -> Callable:
+    """Calls modules[0](x), inside whose forward modules[1](x) is called, ..., then innermost(x).
+
+    Each module after the first records its `weight` (gathered, inside its own call)
+    into `weights` before descending.
+    """
+
+    def call(index: int, x: torch.Tensor) -> torch.Tensor:
+        if index == len(modules):
+            return innermost(x)
+        module = modules[index]
+
+        def forward(self: nn.Module, inner_x: torch.Tensor) -> torch.Tensor:
+            if index > 0:
+                weights.append(self.weight)
+            return call(index + 1, inner_x)
+
+        with _replaced_forward(module, forward):
+            return module(x)
+
+    return lambda x: call(0, x)
+
+
+@contextlib.contextmanager
+def _replaced_forward(module: nn.Module, forward: Callable) -> Iterator[None]:
+    if "forward" in module.__dict__:
+        raise RuntimeError(
+            f"fused_head: the forward of {type(module).__name__} is already replaced; "
+            "fused_head contexts cannot be nested on the same model."
+        )
+    module.forward = types.MethodType(forward, module)
+    try:
+        yield
+    finally:
+        del module.forward
+
+
+def _head_module(lm: nn.Module) -> nn.Module:
+    head = lm.get_output_embeddings()
+    if head is None:
+        raise ValueError(f"{type(lm).__name__} has no output embeddings (get_output_embeddings() is None).")
+    # PEFT `modules_to_save` keeps a trainable copy of the head beside the original.
+    if hasattr(head, "modules_to_save") and hasattr(head, "original_module"):
+        active = getattr(head, "active_adapters", None) or [getattr(head, "active_adapter", None)]
+        if not head.disable_adapters and active and active[0] in head.modules_to_save:
+            head = head.modules_to_save[active[0]]
+        else:
+            head = head.original_module
+    return head
+
+
+@contextlib.contextmanager
+def fused_head(
+    model: nn.Module,
+    labels: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    entropy: bool = False,
+    logit_mean: bool = False,
+    argmax: bool = False,
+) -> Iterator[FusedHead]:
+    """Makes `model(...)` return per-token log-probs of `labels` instead of logits.
+
+    Example:
+        with fused_head(model, labels) as head:
+            logps = model(input_ids=ids, attention_mask=mask).logits   # [B, T] float32
+        head.last.entropy  # if requested
+
+    Args:
+        model: A transformers causal LM, possibly wrapped (DDP, DeepSpeed engine, PEFT, FSDP2).
+        labels: [B, T] token ids aligned to positions (`labels[:, t]` is predicted at position t),
+            -100 where nothing is scored.
+        temperature: Divides the logits inside the softmax.
+        entropy, logit_mean, argmax: Which detached per-token statistics to compute in the same pass.
+
+    Raises:
+        UnsupportedArchitectureError: The model post-processes logits in a way not registered.
+        RuntimeError: A fused_head context is already active on this model.
+    """
+    if labels.dim() != 2:
+        raise ValueError(f"fused_head: labels must be [batch, seq_len], got shape {tuple(labels.shape)}.")
+    lm = unwrap_model(model)
+    post = _post_processing(lm)
+    state = FusedHead(labels, post, temperature, {"entropy": entropy, "logit_mean": logit_mean, "argmax": argmax})
+    head = _head_module(lm)
+    forward = _lora_forward(state) if _is_lora_layer(head) else _plain_forward(state)
+    if not _is_lora_layer(head) and not isinstance(head, nn.Linear):
+        raise UnsupportedArchitectureError(
+            f"fused_head: the output embedding of {type(lm).__name__} is a {type(head).__name__}, "
+            "not an nn.Linear or a PEFT LoRA layer; use fused_head=False."
+        )
+    with _replaced_forward(head, forward):
+        undo = post.disable()
+        try:
+            yield state
+        finally:
+            undo()
+
+
+# --------------------------------------------------------------------------------------
+# The one entry point trainers use: same function of the same batch, fused or not.
+# --------------------------------------------------------------------------------------
+
+
+def logprobs_from_logits(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    entropy: bool = False,
+    logit_mean: bool = False,
+    argmax: bool = False,
+) -> TokenLogProbs:
+    """The unfused computation: log_softmax over materialised logits, then gather.
+
+    Args:
+        logits: [B, T, V] the model's logits (after its own post-processing).
+        labels: [B, T] position-aligned labels, -100 where ignored.
+    """
+    z = logits.float()  # [B, T, V]
+    logprobs = torch.log_softmax(z / temperature, dim=-1)  # [B, T, V]
+    ignored = labels == IGNORE_INDEX
+    safe = labels.masked_fill(ignored, 0)
+    logps = logprobs.gather(-1, safe.unsqueeze(-1)).squeeze(-1).masked_fill(ignored, 0.0)  # [B, T]
+    with torch.no_grad():
+        ent = -(logprobs.exp() * logprobs).sum(-1) if entropy else None
+        mean = z.mean(-1) if logit_mean else None
+        match = (z.argmax(-1) == labels) & ~ignored if argmax else None
+    return TokenLogProbs(logps, ent, mean, match)
+
+
+def token_logprobs(
+    model: nn.Module,
+    inputs: dict[str, torch.Tensor],
+    labels: torch.Tensor,
+    *,
+    fused: bool = True,
+    temperature: float = 1.0,
+    entropy: bool = False,
+    logit_mean: bool = False,
+    argmax: bool = False,
+) -> TokenLogProbs:
+    """Per-token log-probs of `labels` from one ordinary forward of `model`.
+
+    With `fused=True` the logits are never materialised; with `fused=False` they are,
+    and the same function is computed from them (the oracle in every test).
+
+    Args:
+        model: The model as the backend prepared it (call it, never its parts).
+        inputs: Keyword arguments of the forward (input_ids, attention_mask, position_ids).
+        labels: [B, T] position-aligned labels, -100 where ignored.
+    """
+    stats = {"entropy": entropy, "logit_mean": logit_mean, "argmax": argmax}
+    if not fused:
+        logits = model(**inputs, use_cache=False).logits
+        return logprobs_from_logits(logits, labels, temperature=temperature, **stats)
+    with fused_head(model, labels, temperature=temperature, **stats) as head:
+        out = model(**inputs, use_cache=False)
+    if head.calls != 1:
+        raise RuntimeError(
+            f"fused_head: the output head ran {head.calls} times in one forward; expected exactly once."
+        )
+    # Take the log-probs from the model's output, not from inside the head: backends
+    # (ZeRO-3) attach their backward hooks to module outputs, so the gradient must
+    # flow through what the model returned.
+    logps = out.logits
+    if logps.shape != head.last.logps.shape:
+        raise RuntimeError(
+            f"fused_head: the model returned {tuple(logps.shape)} where the head produced "
+            f"{tuple(head.last.logps.shape)}; the model transforms the head's output in a way fused_head "
+            "does not understand. Use fused_head=False."
+        )
+    last = head.last
+    return TokenLogProbs(logps.float(), last.entropy, last.logit_mean, last.argmax_match)

@@ -1,0 +1,132 @@
+"""What every fusedalign trainer shares: global loss normalisation, metrics, logging.
+
+A subclass implements two things:
+  - `count_items(inputs)`: how many loss units (pairs, examples, tokens) a micro-batch
+    holds, computed from the batch alone before any forward;
+  - `loss_and_metrics(model, inputs, mode)`: the SUM of the per-unit losses of the
+    micro-batch and a dict of metric sums and counts.
+The base turns the sum into a loss normalised by the global number of units in the
+optimizer step (all micro-batches, all ranks), so the update does not depend on how a
+global batch is split across gradient-accumulation steps and ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import Trainer, TrainerCallback
+
+from fusedalign.head import TokenLogProbs, token_logprobs
+
+Metrics = dict[str, tuple[torch.Tensor, torch.Tensor]]  # name -> (sum, count)
+
+
+class MetricsJSONLCallback(TrainerCallback):
+    """Appends every logged dict, with its step, to `<output_dir>/metrics.jsonl`."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs:
+            return
+        os.makedirs(args.output_dir, exist_ok=True)
+        record = {"step": state.global_step, "epoch": state.epoch, **logs}
+        with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps(record, default=float) + "\n")
+
+
+def disable_dropout(model: nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+
+
+class FusedAlignTrainer(Trainer):
+    """Base of the fusedalign trainers (a `transformers.Trainer`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        # compute_loss already divides by the global count of the whole optimizer step;
+        # Trainer must not divide by the accumulation steps again.
+        self.loss_is_scaled_for_ga = True
+        self._metric_sums: dict[str, dict[str, list[float]]] = {
+            "train": defaultdict(lambda: [0.0, 0.0]),
+            "eval": defaultdict(lambda: [0.0, 0.0]),
+        }
+        self.add_callback(MetricsJSONLCallback())
+
+    # ---------------------------------------------------------------- subclass API
+
+    def count_items(self, inputs: dict[str, Any]) -> int:
+        raise NotImplementedError
+
+    def loss_and_metrics(self, model: nn.Module, inputs: dict[str, Any], mode: str) -> tuple[torch.Tensor, Metrics]:
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- shared helpers
+
+    def token_logprobs(self, model: nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor, **stats: bool) -> TokenLogProbs:
+        """The one way a trainer gets log-probs: fused or not, never by reading weights."""
+        return token_logprobs(
+            model, inputs, labels, fused=self.args.fused_head, temperature=getattr(self.args, "temperature", 1.0), **stats
+        )
+
+    # ---------------------------------------------------------------- normalisation
+
+    def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
+        batch_samples = []
+        for _ in range(num_batches):
+            try:
+                batch_samples.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        local = sum(self.count_items(batch) for batch in batch_samples)
+        total = self.accelerator.reduce(torch.tensor(float(local), device=device), reduction="sum")
+        return batch_samples, total
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        mode = "train" if model.training else "eval"
+        loss_sum, metrics = self.loss_and_metrics(model, inputs, mode)
+        if num_items_in_batch is None:
+            # Evaluation (or a caller outside the training loop): a local mean.
+            loss = loss_sum / max(self.count_items(inputs), 1)
+        else:
+            # Backends average gradients over ranks, so multiply by the world size to get
+            # sum(all units) / count(all units) in the end.
+            loss = loss_sum * (self.accelerator.num_processes / num_items_in_batch.clamp(min=1))
+        self._record(mode, metrics)
+        return (loss, None) if return_outputs else loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None
+
+    # ---------------------------------------------------------------- metrics
+
+    def _record(self, mode: str, metrics: Metrics) -> None:
+        if not metrics:
+            return
+        names = sorted(metrics)
+        flat = torch.stack(
+            [torch.as_tensor(v, dtype=torch.float64, device=self.accelerator.device).reshape(()) for n in names for v in metrics[n]]
+        )
+        flat = self.accelerator.reduce(flat.detach(), reduction="sum").tolist()
+        for i, name in enumerate(names):
+            acc = self._metric_sums[mode][name]
+            acc[0] += flat[2 * i]
+            acc[1] += flat[2 * i + 1]
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        mode = "train" if self.model.training else "eval"
+        prefix = "eval_" if mode == "eval" else ""
+        sums = self._metric_sums[mode]
+        for name, (total, count) in sums.items():
+            if count > 0:
+                logs[prefix + name] = total / count
+        sums.clear()
+        super().log(logs, start_time)

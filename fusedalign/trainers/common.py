@@ -1,0 +1,76 @@
+"""Model, reference and collator set-up shared by the preference trainers."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from fusedalign.models import load_model, load_tokenizer
+from fusedalign.trainers.base import disable_dropout
+
+
+class Models(NamedTuple):
+    model: nn.Module
+    ref_model: nn.Module | None
+    tokenizer: Any
+    is_peft: bool
+
+
+def _dtype(args: Any) -> torch.dtype | None:
+    if getattr(args, "bf16", False):
+        return torch.bfloat16
+    if getattr(args, "fp16", False):
+        return torch.float16
+    return None
+
+
+def prepare_models(
+    model: nn.Module | str,
+    ref_model: nn.Module | str | None,
+    args: Any,
+    processing_class: Any,
+    peft_config: Any,
+    *,
+    reference: bool,
+) -> Models:
+    """Loads the policy (and, when one is needed, the reference) and the tokenizer.
+
+    Must run after `args` exists: under ZeRO-3 the arguments switch on zero.Init, so
+    that `from_pretrained` loads each model already partitioned.
+    """
+    path = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", None)
+    if isinstance(model, str):
+        model = load_model(model, dtype=_dtype(args))
+    tokenizer = processing_class if processing_class is not None else load_tokenizer(path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    is_peft = peft_config is not None or hasattr(model, "peft_config")
+    if peft_config is not None:
+        from peft import get_peft_model
+
+        model = get_peft_model(model, peft_config)
+    if getattr(args, "disable_dropout", False):
+        disable_dropout(model)
+    if isinstance(ref_model, str):
+        ref_model = load_model(ref_model, dtype=_dtype(args))
+    elif ref_model is None and reference and not is_peft:
+        ref_path = getattr(args, "ref_model_name_or_path", None) or path
+        if ref_path is None:
+            raise ValueError("No reference model given and the policy has no path to load a copy from; pass ref_model.")
+        ref_model = load_model(ref_path, dtype=_dtype(args))
+    return Models(model, ref_model, tokenizer, is_peft)
+
+
+class IndexedCollator:
+    """Wraps a collator, passing each row's dataset `index` through as a tensor."""
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+        index = torch.tensor([f["index"] for f in features], dtype=torch.long)
+        batch = self.inner([{k: v for k, v in f.items() if k != "index"} for f in features])
+        batch["index"] = index
+        return batch

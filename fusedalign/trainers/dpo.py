@@ -1,0 +1,177 @@
+"""DPOTrainer: batch -> labels -> log-probs (fused or not) -> DPO loss -> metrics.
+
+Chosen and rejected completions go through the policy in one forward (rows `[:B]` are
+chosen, `[B:]` rejected); the reference model, in whichever mode, likewise.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from datasets import Dataset
+from torch import nn
+from torch.utils.data import DataLoader
+
+from fusedalign.configs import DPOConfig
+from fusedalign.data import DPOCollator, position_labels, tokenize_dpo_dataset
+from fusedalign.distributed import prepare_reference_model
+from fusedalign.head import IGNORE_INDEX, token_logprobs
+from fusedalign.losses import bco_reward_mean, check_dpo_args, dpo_losses
+from fusedalign.trainers.base import FusedAlignTrainer, Metrics, disable_dropout
+from fusedalign.trainers.common import IndexedCollator, prepare_models
+from fusedalign.trainers.reference import PrecomputedLogps, Reference
+
+
+class DPOTrainer(FusedAlignTrainer):
+    """Direct Preference Optimization with the fused output head.
+
+    Args:
+        model: A causal LM or a name/path (`builtin:tiny-qwen2`, a directory, a hub id).
+        ref_model: A frozen reference model or name/path. Default: loaded from the
+            policy's path; with `peft_config` and none given, the policy with its adapter
+            disabled; with `args.reference_free`, none.
+        args: DPOConfig.
+        train_dataset, eval_dataset: Preference data (prompt/chosen/rejected, standard or
+            conversational, or implicit-prompt chosen/rejected), untokenised.
+        processing_class: The tokenizer; default: loaded from the model's path.
+        peft_config: A peft LoraConfig to train an adapter instead of the full model.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | str,
+        ref_model: nn.Module | str | None = None,
+        args: DPOConfig | None = None,
+        train_dataset: Dataset | None = None,
+        eval_dataset: Dataset | None = None,
+        processing_class: Any = None,
+        peft_config: Any = None,
+        callbacks: list | None = None,
+    ):
+        args = args or DPOConfig()
+        check_dpo_args(args.loss_type, beta=args.beta, label_smoothing=args.label_smoothing, loss_weights=args.loss_weights)
+        models = prepare_models(model, ref_model, args, processing_class, peft_config, reference=not args.reference_free)
+        tokenizer = models.tokenizer
+        tokenize = dict(
+            max_length=args.max_length, max_prompt_length=args.max_prompt_length, truncation_mode=args.truncation_mode
+        )
+        if train_dataset is not None:
+            train_dataset = tokenize_dpo_dataset(train_dataset, tokenizer, **tokenize).add_column(
+                "index", list(range(len(train_dataset)))
+            )
+        if eval_dataset is not None:
+            eval_dataset = tokenize_dpo_dataset(eval_dataset, tokenizer, **tokenize).add_column(
+                "index", list(range(len(eval_dataset)))
+            )
+        collator = IndexedCollator(DPOCollator(pad_token_id=tokenizer.pad_token_id))
+        super().__init__(
+            model=models.model, args=args, data_collator=collator, train_dataset=train_dataset,
+            eval_dataset=eval_dataset, processing_class=tokenizer, callbacks=callbacks,
+        )
+        ref = models.ref_model
+        if ref is not None:
+            if args.disable_dropout:
+                disable_dropout(ref)
+            ref = prepare_reference_model(ref, self.accelerator)
+        self.ref_model = ref
+        self.reference = Reference(ref, use_adapter_disabled=models.is_peft and ref is None, reference_free=args.reference_free)
+        self._precomputed = {"train": PrecomputedLogps("train"), "eval": PrecomputedLogps("eval")}
+        self._bco_delta = torch.zeros(())
+
+    # ------------------------------------------------------------------ counting
+
+    @staticmethod
+    def _labels(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        return position_labels(inputs["input_ids"], inputs["completion_mask"])  # [2B, T]
+
+    def count_items(self, inputs: dict[str, Any]) -> int:
+        """Pairs whose chosen and rejected both keep at least one completion token."""
+        return int(self._valid_pairs(self._labels(inputs)).sum())
+
+    @staticmethod
+    def _valid_pairs(labels: torch.Tensor) -> torch.Tensor:
+        lengths = (labels != IGNORE_INDEX).sum(-1)
+        half = lengths.shape[0] // 2
+        return (lengths[:half] > 0) & (lengths[half:] > 0)  # [B]
+
+    # ------------------------------------------------------------------ reference
+
+    def _sequence_logps(self, model: nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+        model_inputs = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]}
+        out = token_logprobs(model, model_inputs, labels, fused=self.args.fused_head)
+        return out.logps.sum(-1)  # [2B]
+
+    def _reference_logps(self, model: nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor, mode: str) -> torch.Tensor:
+        rows = labels.shape[0]
+        if self.args.reference_free:
+            return torch.zeros(rows, device=labels.device)
+        if self.args.precompute_ref_log_probs:
+            cache = self._precomputed[mode]
+            if not cache.ready:
+                self._precompute(model, mode)
+            values = cache.lookup(inputs["index"])  # [B, 2]: chosen, rejected
+            return torch.cat([values[:, 0], values[:, 1]]).to(labels.device)
+        return self.reference.run(model, lambda m: self._sequence_logps(m, inputs, labels))
+
+    def _precompute(self, model: nn.Module, mode: str) -> None:
+        dataset = self.train_dataset if mode == "train" else self.eval_dataset
+        loader = self.accelerator.prepare(
+            DataLoader(dataset, batch_size=self.args.per_device_eval_batch_size, collate_fn=self.data_collator, shuffle=False)
+        )
+
+        def compute(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+            labels = self._labels(batch)
+            logps = self.reference.run(model, lambda m: self._sequence_logps(m, batch, labels))
+            return torch.stack(logps.chunk(2), dim=-1)  # [B, 2]
+
+        self._precomputed[mode].build(loader, self.accelerator, len(dataset), compute)
+
+    # ------------------------------------------------------------------ loss
+
+    def loss_and_metrics(self, model: nn.Module, inputs: dict[str, Any], mode: str) -> tuple[torch.Tensor, Metrics]:
+        args = self.args
+        labels = self._labels(inputs)
+        model_inputs = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]}
+        out = self.token_logprobs(model, model_inputs, labels, logit_mean=True)
+        mask = labels != IGNORE_INDEX  # [2B, T]
+        seq = out.logps.sum(-1)  # [2B]
+        lengths = mask.sum(-1)
+        ref = self._reference_logps(model, inputs, labels, mode).detach()
+        half = seq.shape[0] // 2
+        result = dpo_losses(
+            seq[:half], seq[half:], ref[:half], ref[half:],
+            loss_type=args.loss_type, beta=args.beta, label_smoothing=args.label_smoothing,
+            loss_weights=args.loss_weights, chosen_lengths=lengths[:half].clamp(min=1),
+            rejected_lengths=lengths[half:].clamp(min=1), bco_delta=self._bco_delta.to(seq.device),
+            discopop_tau=args.discopop_tau,
+        )
+        valid = self._valid_pairs(labels).float()  # [B]
+        # Pairs with nothing to score contribute zero but stay in the graph.
+        loss_sum = (result.losses * valid).sum()
+        if "bco_pair" in args.loss_type and mode == "train":
+            self._update_bco_delta(result.chosen_rewards, result.rejected_rewards)
+        return loss_sum, self._metrics(result, seq.detach(), out.logit_mean, mask, valid)
+
+    def _update_bco_delta(self, chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor) -> None:
+        batch = bco_reward_mean(chosen_rewards, rejected_rewards)
+        total = self.accelerator.reduce(torch.stack([batch.sum, batch.count]).float(), reduction="sum")
+        mean = (total[0] / total[1].clamp(min=1)).cpu()
+        self._bco_delta = 0.99 * self._bco_delta + 0.01 * mean  # running mean, as in BCO
+
+    @staticmethod
+    def _metrics(result, seq, logit_mean, mask, valid) -> Metrics:
+        half = seq.shape[0] // 2
+        pairs = valid.sum()
+        chosen, rejected = result.chosen_rewards, result.rejected_rewards
+        tokens_c, tokens_r = mask[:half].sum(), mask[half:].sum()
+        return {
+            "rewards/chosen": ((chosen * valid).sum(), pairs),
+            "rewards/rejected": ((rejected * valid).sum(), pairs),
+            "rewards/accuracies": (((chosen > rejected).float() * valid).sum(), pairs),
+            "rewards/margins": (((chosen - rejected) * valid).sum(), pairs),
+            "logps/chosen": ((seq[:half] * valid).sum(), pairs),
+            "logps/rejected": ((seq[half:] * valid).sum(), pairs),
+            "logits/chosen": ((logit_mean[:half] * mask[:half]).sum() if logit_mean is not None else 0.0, tokens_c),
+            "logits/rejected": ((logit_mean[half:] * mask[half:]).sum() if logit_mean is not None else 0.0, tokens_r),
+        }
