@@ -140,3 +140,17 @@ def _deepspeed_inference_engine(model: nn.Module, accelerator: Any) -> nn.Module
     engine, *_ = deepspeed.initialize(model=model, config=config)
     engine.eval()
     return engine
+
+
+def prepare_final_save(trainer: Any) -> None:
+    """Makes `trainer.save_model` write one whole safetensors model on every backend.
+
+    ZeRO-3 consolidates through `zero3_save_16bit_model` (set in our configs, and here);
+    FSDP2 saves sharded checkpoints during training but a full state dict at the end.
+    """
+    accelerator = trainer.accelerator
+    if is_fsdp2(accelerator):
+        accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
+    if is_zero3(accelerator):
+        zero = accelerator.state.deepspeed_plugin.deepspeed_config.setdefault("zero_optimization", {})
+        zero["stage3_gather_16bit_weights_on_model_save"] = True

@@ -391,7 +391,7 @@ def logprobs_from_logits(
         logits: [B, T, V] the model's logits (after its own post-processing).
         labels: [B, T] position-aligned labels, -100 where ignored.
     """
-    z = logits.float()  # [B, T, V]
+    z = logits if logits.dtype == torch.float64 else logits.float()  # [B, T, V]
     logprobs = torch.log_softmax(z / temperature, dim=-1)  # [B, T, V]
     ignored = labels == IGNORE_INDEX
     safe = labels.masked_fill(ignored, 0)
@@ -445,4 +445,4 @@ def token_logprobs(
             "does not understand. Use fused_head=False."
         )
     last = head.last
-    return TokenLogProbs(logps.float(), last.entropy, last.logit_mean, last.argmax_match)
+    return TokenLogProbs(logps, last.entropy, last.logit_mean, last.argmax_match)

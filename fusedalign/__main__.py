@@ -1,0 +1,5 @@
+import sys
+
+from fusedalign.cli import main
+
+sys.exit(main())
