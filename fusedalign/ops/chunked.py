@@ -47,6 +47,28 @@ def _scaled_logits(
     return a
 
 
+# torch.mm(..., out_dtype=float32) (aten::mm.dtype): a bf16/fp16 GEMM that returns its
+# fp32 accumulator instead of rounding it. CUDA only, recent PyTorch.
+_HAS_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")
+
+
+def _mm_wide(a: Tensor, b: Tensor, acc: torch.dtype) -> Tensor:
+    """a @ b returned in `acc` (fp32/fp64), for gradients summed over many chunks.
+
+    Rounding each chunk's partial sum to bf16 before adding it up would cost about
+    sqrt(chunks) times the error of one unfused bf16 GEMM; returning the GEMM's own fp32
+    accumulator avoids that. Off CUDA reduced-precision GEMMs are no faster than fp32,
+    so there we simply upcast.
+    """
+    if a.dtype == acc:
+        return torch.mm(a, b)
+    if a.is_cuda and _HAS_MM_OUT_DTYPE and acc == torch.float32:
+        return torch.mm(a, b, out_dtype=acc)
+    if a.is_cuda:  # older PyTorch: one rounding per chunk, then fp32 accumulation
+        return torch.mm(a, b).to(acc)
+    return torch.mm(a.to(acc), b.to(acc))
+
+
 class _ChunkedHeadLogprobs(torch.autograd.Function):
     """Autograd function; `opts` carries every non-tensor option (fixed backward arity)."""
 
@@ -161,10 +183,7 @@ def _backward(g, hidden, weight, labels, bias, down, up, lse, opts: HeadOptions,
         if need_h:
             torch.mm(G_in, weight, out=g_h[sl])  # [n, V] @ [V, H]
         if need_w:
-            if G_in.dtype == cdt:
-                g_w.addmm_(G_in.t(), h_c)  # [V, n] @ [n, H]
-            else:
-                g_w.add_(torch.mm(G_in.t(), h_c))
+            g_w.add_(_mm_wide(G_in.t(), h_c, cdt))  # [V, n] @ [n, H]
         if need_b:
             g_b.add_(G.sum(dim=0))
         if need_down or need_up:
@@ -172,7 +191,7 @@ def _backward(g, hidden, weight, labels, bias, down, up, lse, opts: HeadOptions,
             if need_down:
                 torch.mm(G_lr, up, out=g_down[sl]).mul_(opts.low_rank_scale)  # [n, V] @ [V, r]
             if need_up:
-                g_up.add_(torch.mm(G_lr.t(), down_c).to(cdt), alpha=opts.low_rank_scale)
+                g_up.add_(_mm_wide(G_lr.t(), down_c, cdt), alpha=opts.low_rank_scale)
         del a, y, G, G_in
 
     cast = lambda acc, like: None if acc is None else acc.to(like.dtype)  # noqa: E731
