@@ -78,6 +78,7 @@ class DPOTrainer(FusedAlignTrainer):
         self.reference = Reference(ref, use_adapter_disabled=models.is_peft and ref is None, reference_free=args.reference_free)
         self._precomputed = {"train": PrecomputedLogps("train"), "eval": PrecomputedLogps("eval")}
         self._bco_delta = torch.zeros(())
+        self._bco_seen = torch.zeros(2)  # sum and count of all rewards seen (all ranks)
 
     # ------------------------------------------------------------------ counting
 
@@ -139,6 +140,9 @@ class DPOTrainer(FusedAlignTrainer):
         lengths = mask.sum(-1)
         ref = self._reference_logps(model, inputs, labels, mode).detach()
         half = seq.shape[0] // 2
+        if "bco_pair" in args.loss_type and mode == "train":
+            # BCO's reward shift: a running mean over every reward seen, this batch included.
+            self._update_bco_delta(args.beta * (seq - ref).detach()[:half], args.beta * (seq - ref).detach()[half:])
         result = dpo_losses(
             seq[:half], seq[half:], ref[:half], ref[half:],
             loss_type=args.loss_type, beta=args.beta, label_smoothing=args.label_smoothing,
@@ -149,15 +153,13 @@ class DPOTrainer(FusedAlignTrainer):
         valid = self._valid_pairs(labels).float()  # [B]
         # Pairs with nothing to score contribute zero but stay in the graph.
         loss_sum = (result.losses * valid).sum()
-        if "bco_pair" in args.loss_type and mode == "train":
-            self._update_bco_delta(result.chosen_rewards, result.rejected_rewards)
         return loss_sum, self._metrics(result, seq.detach(), out.logit_mean, mask, valid)
 
     def _update_bco_delta(self, chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor) -> None:
         batch = bco_reward_mean(chosen_rewards, rejected_rewards)
-        total = self.accelerator.reduce(torch.stack([batch.sum, batch.count]).float(), reduction="sum")
-        mean = (total[0] / total[1].clamp(min=1)).cpu()
-        self._bco_delta = 0.99 * self._bco_delta + 0.01 * mean  # running mean, as in BCO
+        total = self.accelerator.reduce(torch.stack([batch.sum, batch.count]).float(), reduction="sum").cpu()
+        self._bco_seen += total
+        self._bco_delta = self._bco_seen[0] / self._bco_seen[1].clamp(min=1)
 
     @staticmethod
     def _metrics(result, seq, logit_mean, mask, valid) -> Metrics:
