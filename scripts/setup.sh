@@ -18,7 +18,7 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
         pip_install torch
     else
-        pip_install "torch==2.13.0" || pip_install torch --index-url https://download.pytorch.org/whl/cpu
+        pip_install "torch==2.13.0"
     fi
 fi
 pip_install -e ".[test]"
