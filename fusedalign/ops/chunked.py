@@ -155,12 +155,13 @@ def _backward(g, hidden, weight, labels, bias, down, up, lse, opts: HeadOptions,
     # Ignored positions get exactly zero gradient, even if the upstream sent NaN there.
     gs = torch.where(valid, g.to(cdt), 0.0) * (opts.logit_scale / T)  # [N]
 
-    g_h = torch.empty_like(hidden) if need_h else None
+    # Contiguous row-major buffers, so each chunk's rows are one block for `out=`.
+    g_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=dev) if need_h else None
     # Parameter gradients are sums over every token: accumulate them in fp32 (fp64 for
     # fp64 inputs) across chunks, and cast once at the end.
     g_w = torch.zeros(weight.shape, dtype=cdt, device=dev) if need_w else None
     g_b = torch.zeros(bias.shape, dtype=cdt, device=dev) if need_b else None
-    g_down = torch.empty_like(down) if need_down else None
+    g_down = torch.empty(down.shape, dtype=down.dtype, device=dev) if need_down else None
     g_up = torch.zeros(up.shape, dtype=cdt, device=dev) if need_up else None
 
     for start in range(0, n, opts.chunk_rows):

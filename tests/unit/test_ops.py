@@ -331,14 +331,22 @@ def test_lora_gradient_reaches_lora_a_and_input():
 def test_noncontiguous_inputs_and_int32_labels():
     p = make_problem(14, 19, 10, bias=True)
     hidden = p["hidden"].detach()[:, ::2].requires_grad_()  # [14, 5], strided
-    weight = p["weight"].detach().t().contiguous().t()[:, :5]  # strided view of [19, 5]
+    weight = p["weight"].detach().t().contiguous().t()[:, :5]  # column-major view of [19, 5]
     weight.requires_grad_()
     labels = p["labels"].to(torch.int32)
     out = head_logprobs(hidden, weight, labels, p["bias"], chunk_size=4)
-    want = oracle_logps(oracle_logits(hidden, weight, p["bias"]), labels.long())
+    z = oracle_logits(hidden, weight, p["bias"])
+    want = oracle_logps(z, labels.long())
     assert rel_err(out.logps, want) <= 1e-6
-    out.logps.sum().backward()
-    assert hidden.grad.shape == hidden.shape
+    got_grads = torch.autograd.grad(out.logps.sum(), [hidden, weight])
+    want_grads = torch.autograd.grad(want.sum(), [hidden, weight])
+    for got, ref in zip(got_grads, want_grads):
+        assert got.shape == ref.shape and rel_err(got, ref) <= 1e-6
+    # A column-major hidden: its gradient buffer must not inherit that layout per chunk.
+    col_major = hidden.detach().t().contiguous().t().requires_grad_()
+    out = head_logprobs(col_major, weight, labels, p["bias"], chunk_size=4)
+    (g,) = torch.autograd.grad(out.logps.sum(), [col_major])
+    assert rel_err(g, want_grads[0]) <= 1e-6
 
 
 def test_empty_batch():
