@@ -137,9 +137,11 @@ def extract_prompt(row: Mapping, index: int | None = None) -> dict:
     completion starts with its separator (as ``" ugly."`` after ``"... better than"``).
 
     Raises:
-        DataError: no common prefix, or nothing left of a completion.
+        DataError: chosen equals rejected, no common prefix, or nothing left of a completion.
     """
     chosen, rejected = row["chosen"], row["rejected"]
+    if chosen == rejected:
+        raise DataError(f"row {index}, columns 'chosen'/'rejected': identical; expected them to differ")
     if isinstance(chosen, list):
         n = 0
         while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
