@@ -155,12 +155,20 @@ def bench_method(fn, hidden, weight, labels, g, repeats, device):
 
 
 def bench_gemm(hidden, weight, repeats, device) -> float:
+    """Median ms of hidden @ weight.T into a preallocated [N, V] buffer: the GEMM alone.
+
+    (On CPU a fresh N x V output costs page faults that can exceed the GEMM itself.)
+    """
     with torch.no_grad():
-        torch.mm(hidden, weight.t())  # warm-up
+        out = torch.empty(hidden.shape[0], weight.shape[0], dtype=hidden.dtype, device=device)
+        torch.mm(hidden, weight.t(), out=out)  # warm-up
         sync(device)
-        return statistics.median(
-            timed(lambda: torch.mm(hidden, weight.t()), device) for _ in range(repeats)
+        ms = statistics.median(
+            timed(lambda: torch.mm(hidden, weight.t(), out=out), device) for _ in range(repeats)
         )
+    del out
+    fresh(device)
+    return ms
 
 
 def truth_logps(hidden, weight, labels, budget_bytes=512 * 2**20) -> torch.Tensor:
