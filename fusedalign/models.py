@@ -60,10 +60,11 @@ def resolve_model_path(name_or_path: str | os.PathLike) -> str:
         )
     if os.path.exists(os.path.expanduser(name)):
         return os.path.expanduser(name)
-    if not _HUB_ID.match(name):
+    parent = name.split("/", 1)[0]
+    if not _HUB_ID.match(name) or ("/" in name and os.path.isdir(parent)):
         raise ModelNotFoundError(
-            f"model path {name!r} does not exist (and is not a hub id of the form 'org/name'); "
-            f"builtin models: {', '.join(BUILTIN_PREFIX + n for n in list_builtin_models())}"
+            f"model path {name!r} does not exist; expected an existing local directory, a hub id "
+            f"('org/name') or one of: {', '.join(BUILTIN_PREFIX + n for n in list_builtin_models())}"
         )
     return name
 

@@ -44,11 +44,15 @@ def load_builtin_dataset(name: str, config: str | None = None, split: str = "tra
         raise DataError(f"unknown builtin dataset {BUILTIN_PREFIX + name!r}; available: {names}")
     if config not in available[name]:
         what = "needs a config" if config is None else f"has no config {config!r}"
-        raise DataError(f"builtin dataset {BUILTIN_PREFIX + name!r} {what}; available: {', '.join(available[name])}")
+        raise DataError(
+            f"builtin dataset {BUILTIN_PREFIX + name!r} {what}; available: {', '.join(available[name])}"
+        )
     path = DATASETS_DIR / name / config / f"{split}.jsonl"
     if not path.is_file():
         splits = sorted(p.stem for p in path.parent.glob("*.jsonl"))
-        raise DataError(f"builtin dataset {BUILTIN_PREFIX + name}/{config} has no split {split!r}; available: {splits}")
+        raise DataError(
+            f"builtin dataset {BUILTIN_PREFIX + name}/{config} has no split {split!r}; available: {splits}"
+        )
     with open(path, encoding="utf-8") as f:
         rows = [json.loads(line) for line in f if line.strip()]
     return Dataset.from_list(rows)
@@ -87,7 +91,15 @@ def load_dataset_any(name: str | os.PathLike, config: str | None = None, split: 
         return load_dataset(builder, data_files={split: path}, split=split, **kwargs)
     if os.path.isdir(path):
         return load_dataset(path, config, split=split, **kwargs)
-    if Path(path).suffix.lower() in _LOCAL_BUILDERS or name.startswith((".", "/", "~")) or name.count("/") > 1:
+    if _looks_local(name):
+        builtin = ", ".join(BUILTIN_PREFIX + n for n in list_builtin_datasets())
         raise DataError(f"dataset path {name!r} does not exist (expected a file, a directory, "
-                        f"a hub id or builtin:<name>; builtin: {', '.join(list_builtin_datasets())})")
+                        f"a hub id or one of: {builtin})")
     return load_dataset(name, config, split=split, **kwargs)
+
+
+def _looks_local(name: str) -> bool:
+    """A name meant as a local path rather than a hub id ("org/name")."""
+    head = name.split("/", 1)[0]
+    return (Path(name).suffix.lower() in _LOCAL_BUILDERS or name.startswith((".", "/", "~"))
+            or name.count("/") > 1 or ("/" in name and os.path.isdir(head)))

@@ -65,9 +65,11 @@ def _chat(tokenizer: Any, messages: list, *, add_generation_prompt: bool = False
 
 
 def _split_chat(tokenizer: Any, prompt: list, completion: list, index: int | None, column: str,
-                assistant_mask: bool = False) -> tuple[list[int], list[int], list[int] | None]:
+                assistant_mask: bool = False, prompt_ids: list[int] | None = None,
+                ) -> tuple[list[int], list[int], list[int] | None]:
     """(prompt ids, completion ids, assistant mask of the whole conversation or None)."""
-    prompt_ids, _ = _chat(tokenizer, prompt, add_generation_prompt=True)
+    if prompt_ids is None:
+        prompt_ids, _ = _chat(tokenizer, prompt, add_generation_prompt=True)
     full_ids, mask = _chat(tokenizer, list(prompt) + list(completion), assistant_mask=assistant_mask)
     n = len(prompt_ids)
     if full_ids[:n] != prompt_ids:
@@ -178,8 +180,10 @@ def _row_format(row: Mapping, fmt: DataFormat | None, expected: str) -> DataForm
 def _prompt_and_completions(row: Mapping, tokenizer: Any, fmt: DataFormat, columns: tuple[str, ...],
                             index: int | None) -> tuple[list[int], list[list[int]]]:
     if fmt.conversational:
-        splits = [_split_chat(tokenizer, row["prompt"], row[c], index, c) for c in columns]
-        return splits[0][0], [s[1] for s in splits]
+        prompt_ids, _ = _chat(tokenizer, row["prompt"], add_generation_prompt=True)
+        splits = [_split_chat(tokenizer, row["prompt"], row[c], index, c, prompt_ids=prompt_ids)
+                  for c in columns]
+        return prompt_ids, [s[1] for s in splits]
     prompt_ids = _ids(tokenizer, row["prompt"], special=True)
     if not prompt_ids:
         raise DataError(f"row {index}, column 'prompt': the prompt tokenises to nothing")

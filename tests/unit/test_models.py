@@ -78,13 +78,18 @@ def test_gemma2_softcap_applied():
     torch.testing.assert_close(out.logits, 30.0 * torch.tanh(raw / 30.0))
 
 
-def test_resolve_errors():
+def test_resolve_errors(tmp_path, monkeypatch):
     with pytest.raises(ModelNotFoundError, match="tiny-qwen2") as e:
         resolve_model_path("builtin:tiny-gpt")
     assert isinstance(e.value, ValueError) and "builtin:tiny-gpt" in str(e.value)
     with pytest.raises(FileNotFoundError, match="./no/such/model"):
         load_model("./no/such/model")
     assert resolve_model_path("Qwen/Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B"
+    # Hub-shaped, but its first component is a local directory: meant as a path.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    with pytest.raises(ModelNotFoundError, match="'runs/sft' does not exist"):
+        resolve_model_path("runs/sft")
     assert resolve_model_path("builtin:tiny-llama") == str(MODELS_DIR / "tiny-llama")
 
 
