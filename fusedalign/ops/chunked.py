@@ -105,10 +105,10 @@ def _forward(hidden, weight, labels, bias, down, up, opts: HeadOptions):
     cdt = compute_dtype(hidden.dtype)
     valid = labels != opts.ignore_index
     safe = labels.masked_fill(~valid, 0)  # ignored labels become index 0: never out of range
-    logps = torch.zeros(n, dtype=torch.float32, device=dev)
+    logps = torch.zeros(n, dtype=cdt, device=dev)
     lse = torch.empty(n, dtype=cdt, device=dev)
-    entropy = torch.empty(n, dtype=torch.float32, device=dev) if opts.entropy else None
-    mean = torch.empty(n, dtype=torch.float32, device=dev) if opts.logit_mean else None
+    entropy = torch.empty(n, dtype=cdt, device=dev) if opts.entropy else None
+    mean = torch.empty(n, dtype=cdt, device=dev) if opts.logit_mean else None
     match = torch.empty(n, dtype=torch.bool, device=dev) if opts.argmax else None
     T, c = opts.temperature, opts.softcap
 

@@ -44,7 +44,7 @@ class HeadOutput(NamedTuple):
     """What `head_logprobs` returns.
 
     Attributes:
-        logps: [N] float32, log-prob of each label; exactly 0 (and no gradient) where
+        logps: [N] float32 (float64 for float64 inputs), log-prob of each label; exactly 0 (and no gradient) where
             labels == ignore_index.
         entropy: [N] float32, detached entropy of softmax(z / T); None unless requested.
         logit_mean: [N] float32, detached mean over the vocabulary of z; None unless requested.

@@ -33,14 +33,14 @@ def unfused_head_logprobs(
     valid = labels != opts.ignore_index
     safe = labels.masked_fill(~valid, 0)
     target = logp_all.gather(1, safe[:, None]).squeeze(1)
-    logps = torch.where(valid, target, 0.0).to(torch.float32)
+    logps = torch.where(valid, target, 0.0).to(cdt)
 
     entropy = mean = match = None
     with torch.no_grad():
         if opts.entropy:
-            entropy = -(logp_all.exp() * logp_all).sum(dim=-1).float()
+            entropy = -(logp_all.exp() * logp_all).sum(dim=-1).to(cdt)
         if opts.logit_mean:
-            mean = z.mean(dim=-1).float()
+            mean = z.mean(dim=-1).to(cdt)
         if opts.argmax:
             match = (z.argmax(dim=-1) == safe) & valid
     return HeadOutput(logps, entropy, mean, match, backend="reference")

@@ -167,7 +167,9 @@ def test_values_and_grads_match_oracle(case, dtype, backend):
     want, want_grads, _ = run_oracle(p, opts)  # fp64 truth on the same (rounded) inputs
     out, grads = run_op(p, opts, backend, chunk_size=chunk)
 
-    assert out.logps.dtype == torch.float32 and out.logps.shape == (n,)
+    # float32 out, except float64 in gives float64 out (so fp64 parity checks are exact).
+    out_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    assert out.logps.dtype == out_dtype and out.logps.shape == (n,)
     rtol = 1e-6 if dtype == torch.float64 else 3e-6
     assert rel_err(out.logps, want) <= rtol
     for name, got, ref, leaf in zip(("hidden", "weight", "bias", "down", "up"),
@@ -241,7 +243,8 @@ def test_stats_match_oracle(case, backend):
                         logit_scale=opts["logit_scale"], low_rank=low_rank_of(p, opts["lr_scale"]),
                         entropy=True, logit_mean=True, argmax=True, chunk_size=chunk,
                         backend=backend)
-    assert out.entropy.dtype == out.logit_mean.dtype == torch.float32
+    out_dtype = torch.float64 if p["hidden"].dtype == torch.float64 else torch.float32
+    assert out.entropy.dtype == out.logit_mean.dtype == out_dtype
     assert out.argmax_match.dtype == torch.bool
     assert not (out.entropy.requires_grad or out.logit_mean.requires_grad)
     assert rel_err(out.entropy, want_entropy) <= 1e-6
