@@ -108,8 +108,8 @@ def detect_format(data: Any, expected: Iterable[str] | str | None = None) -> Dat
     Args:
         data: a ``datasets.Dataset`` (columns and first row are read), a row (a mapping), or
             an iterable of column names (then only ``messages`` marks conversational data).
-        expected: the kinds the caller accepts, or a trainer name (``"sft"``, ``"dpo"``,
-            ``"kto"``); None accepts any kind.
+        expected: the kinds the caller accepts (a kind or an iterable of kinds), or a
+            trainer name (``"sft"``, ``"dpo"``, ``"kto"``); None accepts any kind.
 
     Returns:
         The format.
@@ -118,8 +118,15 @@ def detect_format(data: Any, expected: Iterable[str] | str | None = None) -> Dat
         DataError: no format matches, columns are missing or unexpected for the accepted
             kinds, or the dataset is empty. The message lists the columns found and expected.
     """
-    trainer = expected if isinstance(expected, str) else None
-    kinds = TRAINER_KINDS[expected] if isinstance(expected, str) else tuple(expected or KIND_COLUMNS)
+    trainer = expected if isinstance(expected, str) and expected in TRAINER_KINDS else None
+    if trainer:
+        kinds = TRAINER_KINDS[trainer]
+    else:
+        kinds = (expected,) if isinstance(expected, str) else tuple(expected or KIND_COLUMNS)
+    unknown = [k for k in kinds if k not in KIND_COLUMNS]
+    if unknown:
+        raise ValueError(f"unknown format kind(s) {unknown}; expected trainer names {list(TRAINER_KINDS)} "
+                         f"or kinds {list(KIND_COLUMNS)}")
     columns, row = _columns_and_row(data)
     present = set(columns) & FORMAT_COLUMNS
     if "text" in present and "messages" in present:

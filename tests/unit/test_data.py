@@ -19,6 +19,7 @@ from fusedalign.data import (
     extract_prompt,
     list_builtin_datasets,
     load_dataset_any,
+    pack_dataset,
     pack_sequences,
     position_labels,
     prepare_dpo_dataset,
@@ -26,6 +27,7 @@ from fusedalign.data import (
     prepare_sft_dataset,
     tokenize_dpo_row,
     tokenize_kto_row,
+    tokenize_prompt_row,
     tokenize_sft_row,
     truncate_pair,
     unpair_preference_dataset,
@@ -303,6 +305,16 @@ def test_kto_rows_and_unpairing(tok):
     assert prepared["label"] == [True, False] * 3
 
 
+def test_prompt_only(tok):
+    out = tokenize_prompt_row({"prompt": user("Now is")}, tok)
+    assert tok.decode(out["prompt_ids"]).endswith("<|im_start|>assistant\n")
+    assert tokenize_prompt_row({"prompt": "Now is better"}, tok, max_prompt_length=1)["prompt_ids"] == \
+        ids(tok, "Now is better", special=True)[-1:]
+    assert detect_format({"prompt": "a"}, "prompt_only") == DataFormat("prompt_only", False)
+    with pytest.raises(ValueError, match="unknown format kind"):
+        detect_format({"prompt": "a"}, "grpo")
+
+
 def test_sft_language_modeling(tok):
     out = tokenize_sft_row({"text": "Readability counts."}, tok)
     assert out["input_ids"] == ids(tok, "Readability counts.", special=True) + [tok.eos_token_id]
@@ -429,6 +441,14 @@ def test_pack_sequences_best_fit_decreasing():
     assert packed[1]["position_ids"] == [0, 1, 2, 3, 0, 1, 2, 0]
     with pytest.raises(ValueError, match="row 0: sequence of 5 tokens"):
         pack_sequences(rows, max_length=4)
+
+
+def test_pack_dataset(tok):
+    ds, _ = prepare_sft_dataset(load_dataset_any("builtin:zen", "standard_language_modeling"), tok)
+    packed = pack_dataset(ds, 64)
+    assert len(packed) < len(ds)
+    assert sum(len(x) for x in packed["input_ids"]) == sum(len(x) for x in ds["input_ids"])
+    assert max(len(x) for x in packed["input_ids"]) <= 64
 
 
 def test_packed_batch_scores_like_separate_sequences(tok):
