@@ -35,6 +35,7 @@ DEMO_DEFAULTS: dict[str, dict[str, Any]] = {
         model_name_or_path="builtin:tiny-qwen2", dataset_name="builtin:zen", dataset_config="standard_preference",
         output_dir="outputs/dpo", learning_rate=5e-4, num_train_epochs=3, per_device_train_batch_size=8,
         lr_scheduler_type="constant", warmup_steps=0, logging_steps=5, save_strategy="no", beta=0.1,
+        eval_strategy="epoch",
     ),
 }
 

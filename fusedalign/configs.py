@@ -64,7 +64,6 @@ class FusedAlignConfig(TrainingArguments):
     )
     max_length: int | None = field(default=1024, metadata={"help": "Maximum tokens of prompt + completion."})
     dataset_num_proc: int | None = field(default=None)
-    report_to: str | list[str] = field(default="none")
     logging_steps: float = field(default=1)
     remove_unused_columns: bool = field(default=False)
     disable_dropout: bool = field(

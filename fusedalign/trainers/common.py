@@ -6,9 +6,12 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from transformers.utils import logging
 
 from fusedalign.models import load_model, load_tokenizer
 from fusedalign.trainers.base import disable_dropout
+
+logger = logging.get_logger(__name__)
 
 
 class Models(NamedTuple):
@@ -63,14 +66,17 @@ def prepare_models(
     return Models(model, ref_model, tokenizer, is_peft)
 
 
-class IndexedCollator:
-    """Wraps a collator, passing each row's dataset `index` through as a tensor."""
+def tokenize_split(prepare: Any, dataset: Any, tokenizer: Any, split: str, **kwargs: Any) -> Any:
+    """Validates and tokenises one split, reports truncation, and adds a row `index` column.
 
-    def __init__(self, inner: Any):
-        self.inner = inner
-
-    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
-        index = torch.tensor([f["index"] for f in features], dtype=torch.long)
-        batch = self.inner([{k: v for k, v in f.items() if k != "index"} for f in features])
-        batch["index"] = index
-        return batch
+    The index lets precomputed reference log-probs be looked up per row.
+    """
+    if dataset is None:
+        return None
+    dataset, stats = prepare(dataset, tokenizer, **kwargs)
+    if stats.num_truncated:
+        logger.warning(
+            "%s split: %d of %d rows were truncated to fit max_length/max_prompt_length (none were dropped).",
+            split, stats.num_truncated, stats.num_rows,
+        )
+    return dataset.add_column("index", list(range(len(dataset))))

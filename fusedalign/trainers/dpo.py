@@ -14,12 +14,12 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from fusedalign.configs import DPOConfig
-from fusedalign.data import DPOCollator, position_labels, tokenize_dpo_dataset
+from fusedalign.data import DPOCollator, position_labels, prepare_dpo_dataset
 from fusedalign.distributed import prepare_reference_model
 from fusedalign.head import IGNORE_INDEX, token_logprobs
 from fusedalign.losses import bco_reward_mean, check_dpo_args, dpo_losses
 from fusedalign.trainers.base import FusedAlignTrainer, Metrics, disable_dropout
-from fusedalign.trainers.common import IndexedCollator, prepare_models
+from fusedalign.trainers.common import prepare_models, tokenize_split
 from fusedalign.trainers.reference import PrecomputedLogps, Reference
 
 
@@ -56,15 +56,9 @@ class DPOTrainer(FusedAlignTrainer):
         tokenize = dict(
             max_length=args.max_length, max_prompt_length=args.max_prompt_length, truncation_mode=args.truncation_mode
         )
-        if train_dataset is not None:
-            train_dataset = tokenize_dpo_dataset(train_dataset, tokenizer, **tokenize).add_column(
-                "index", list(range(len(train_dataset)))
-            )
-        if eval_dataset is not None:
-            eval_dataset = tokenize_dpo_dataset(eval_dataset, tokenizer, **tokenize).add_column(
-                "index", list(range(len(eval_dataset)))
-            )
-        collator = IndexedCollator(DPOCollator(pad_token_id=tokenizer.pad_token_id))
+        train_dataset = tokenize_split(prepare_dpo_dataset, train_dataset, tokenizer, "train", **tokenize)
+        eval_dataset = tokenize_split(prepare_dpo_dataset, eval_dataset, tokenizer, "eval", **tokenize)
+        collator = DPOCollator(pad_token_id=tokenizer.pad_token_id)
         super().__init__(
             model=models.model, args=args, data_collator=collator, train_dataset=train_dataset,
             eval_dataset=eval_dataset, processing_class=tokenizer, callbacks=callbacks,
