@@ -133,16 +133,33 @@ def train_and_save(trainer: Any, args: Any) -> None:
         print(f"[fusedalign] model, tokenizer and metrics.jsonl saved in {args.output_dir}", file=sys.stderr)
 
 
-def run_dpo(argv: list[str]) -> None:
-    from fusedalign.configs import DPOConfig, ModelArguments, ScriptArguments
+# command -> (config class, trainer class), as "module:attribute" so that `--help` of one
+# command does not import every trainer.
+TRAINING_COMMANDS: dict[str, tuple[str, str]] = {
+    "dpo": ("fusedalign.configs.dpo:DPOConfig", "fusedalign.trainers.dpo:DPOTrainer"),
+    "kto": ("fusedalign.configs.kto:KTOConfig", "fusedalign.trainers.kto:KTOTrainer"),
+    "sft": ("fusedalign.configs.sft:SFTConfig", "fusedalign.trainers.sft:SFTTrainer"),
+}
+
+
+def _import(spec: str) -> Any:
+    import importlib
+
+    module, attribute = spec.split(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
+def run_training(command: str, argv: list[str]) -> None:
+    """`fusedalign dpo|kto|sft`: parse, load, train, save, plot."""
+    from fusedalign.configs import ModelArguments, ScriptArguments
     from fusedalign.distributed import setup_distributed
 
-    setup_distributed()
-    script, args, model_args = parse("dpo", (ScriptArguments, DPOConfig, ModelArguments), argv)
-    from fusedalign.trainers.dpo import DPOTrainer
-
+    config_spec, trainer_spec = TRAINING_COMMANDS[command]
+    setup_distributed()  # before any argument or model is built (DeepSpeed on CPU)
+    script, args, model_args = parse(command, (ScriptArguments, _import(config_spec), ModelArguments), argv)
+    trainer_cls = _import(trainer_spec)
     train, evaluate = load_splits(script, args)
-    trainer = DPOTrainer(
+    trainer = trainer_cls(
         model=load_model_from(model_args), args=args, train_dataset=train, eval_dataset=evaluate,
         peft_config=peft_config_from(model_args),
     )
@@ -157,7 +174,10 @@ def run_plot(argv: list[str]) -> None:
     print(plot_run(argv[0]))
 
 
-COMMANDS: dict[str, Callable[[list[str]], None]] = {"dpo": run_dpo, "plot": run_plot}
+COMMANDS: dict[str, Callable[[list[str]], None]] = {
+    **{name: (lambda argv, name=name: run_training(name, argv)) for name in TRAINING_COMMANDS},
+    "plot": run_plot,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

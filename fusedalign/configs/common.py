@@ -1,4 +1,4 @@
-"""Configuration dataclasses: script, model and per-trainer arguments.
+"""Configuration shared by every command: script, model and common trainer arguments.
 
 Flag names follow TRL where the meaning is the same, so a TRL command line carries over.
 """
@@ -82,39 +82,3 @@ class FusedAlignConfig(TrainingArguments):
         super().__post_init__()
         if self.max_length is not None and self.max_length <= 0:
             raise ValueError(f"max_length must be positive, got {self.max_length}.")
-
-
-@dataclass
-class DPOConfig(FusedAlignConfig):
-    """Direct Preference Optimization (Rafailov et al., 2023) and its variants."""
-
-    output_dir: str | None = field(default="outputs/dpo")
-    learning_rate: float = field(default=1e-6)
-    beta: float = field(default=0.1, metadata={"help": "Temperature of the implicit reward; > 0."})
-    loss_type: list[str] = field(
-        default_factory=lambda: ["sigmoid"],
-        metadata={"help": "One or more of: " + "sigmoid, robust, hinge, ipo, exo_pair, nca_pair, bco_pair, "
-                  "sppo_hard, aot, aot_pair, apo_zero, apo_down, discopop, sft."},
-    )
-    loss_weights: list[float] | None = field(default=None, metadata={"help": "Weight of each loss_type."})
-    label_smoothing: float = field(default=0.0)
-    discopop_tau: float = field(default=0.05)
-    max_prompt_length: int | None = field(default=512)
-    truncation_mode: str = field(default="keep_end", metadata={"help": "keep_end or keep_start (for completions)."})
-    precompute_ref_log_probs: bool = field(default=False)
-    reference_free: bool = field(default=False)
-    ref_model_name_or_path: str | None = field(default=None, metadata={"help": "Default: the policy's own path."})
-
-    def __post_init__(self):
-        super().__post_init__()
-        if isinstance(self.loss_type, str):
-            self.loss_type = [self.loss_type]
-        if self.beta <= 0:
-            raise ValueError(f"beta must be > 0 (the scale of the implicit reward), got {self.beta}.")
-        if self.truncation_mode not in ("keep_end", "keep_start"):
-            raise ValueError(f"truncation_mode must be 'keep_end' or 'keep_start', got {self.truncation_mode!r}.")
-        if self.loss_weights is not None and len(self.loss_weights) != len(self.loss_type):
-            raise ValueError(
-                f"loss_weights has {len(self.loss_weights)} values but loss_type has {len(self.loss_type)} "
-                f"({self.loss_type}); give one weight per loss type."
-            )
