@@ -37,6 +37,12 @@ DEMO_DEFAULTS: dict[str, dict[str, Any]] = {
         lr_scheduler_type="constant", warmup_steps=0, logging_steps=5, save_strategy="no", beta=0.1,
         eval_strategy="epoch",
     ),
+    "sft": dict(
+        model_name_or_path="builtin:tiny-qwen2", dataset_name="builtin:zen",
+        dataset_config="standard_language_modeling", output_dir="outputs/sft", learning_rate=1e-3,
+        num_train_epochs=20, per_device_train_batch_size=8, lr_scheduler_type="constant", warmup_steps=0,
+        logging_steps=6, save_strategy="no", eval_strategy="epoch",
+    ),
 }
 
 
@@ -174,9 +180,38 @@ def run_plot(argv: list[str]) -> None:
     print(plot_run(argv[0]))
 
 
+def run_merge(argv: list[str]) -> None:
+    """`fusedalign merge ADAPTER_DIR OUTPUT_DIR [--base_model NAME]`: a LoRA adapter folded into its base."""
+    usage = "usage: fusedalign merge ADAPTER_DIR OUTPUT_DIR [--base_model NAME_OR_PATH]"
+    base = None
+    if "--base_model" in argv:
+        i = argv.index("--base_model")
+        if i + 1 >= len(argv):
+            raise CLIError(usage)
+        base, argv = argv[i + 1], argv[:i] + argv[i + 2 :]
+    if len(argv) != 2 or any(a.startswith("-") for a in argv):
+        raise CLIError(usage)
+    adapter_dir, output_dir = argv
+    if not os.path.isfile(os.path.join(adapter_dir, "adapter_config.json")):
+        raise CLIError(f"{adapter_dir} is not a PEFT adapter directory (no adapter_config.json); "
+                       "expected the output_dir of a run with --use_peft.")
+    from peft import PeftConfig, PeftModel
+
+    from fusedalign.models import load_model, load_tokenizer
+
+    base = base or PeftConfig.from_pretrained(adapter_dir).base_model_name_or_path
+    model = PeftModel.from_pretrained(load_model(base), adapter_dir).merge_and_unload()
+    has_tokenizer = any(os.path.isfile(os.path.join(adapter_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
+    tokenizer = load_tokenizer(adapter_dir if has_tokenizer else base)
+    model.save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
+    print(f"[fusedalign] {adapter_dir} merged into {base}; full model and tokenizer saved in {output_dir}", file=sys.stderr)
+
+
 COMMANDS: dict[str, Callable[[list[str]], None]] = {
     **{name: (lambda argv, name=name: run_training(name, argv)) for name in TRAINING_COMMANDS},
     "plot": run_plot,
+    "merge": run_merge,
 }
 
 

@@ -2,5 +2,6 @@
 
 from fusedalign.configs.common import FusedAlignConfig, ModelArguments, ScriptArguments
 from fusedalign.configs.dpo import DPOConfig
+from fusedalign.configs.sft import SFTConfig
 
-__all__ = ["DPOConfig", "FusedAlignConfig", "ModelArguments", "ScriptArguments"]
+__all__ = ["DPOConfig", "FusedAlignConfig", "ModelArguments", "SFTConfig", "ScriptArguments"]

@@ -1,0 +1,44 @@
+"""SFTConfig: the arguments of `fusedalign sft` and `SFTTrainer`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fusedalign.configs.common import FusedAlignConfig
+
+
+@dataclass
+class SFTConfig(FusedAlignConfig):
+    """Supervised fine-tuning on language-modeling or prompt-completion data."""
+
+    output_dir: str | None = field(default="outputs/sft")
+    learning_rate: float = field(default=2e-5)
+    completion_only_loss: bool = field(
+        default=True,
+        metadata={"help": "Prompt-completion data: learn the completion tokens only (False: every token). "
+                  "Language-modeling data always learns every token."},
+    )
+    assistant_only_loss: bool = field(
+        default=False,
+        metadata={"help": "Conversational data: learn only the assistant tokens, as marked by the chat "
+                  "template's {% generation %} blocks."},
+    )
+    truncation_mode: str = field(
+        default="keep_start", metadata={"help": "Rows over max_length keep their first (keep_start) or last (keep_end) tokens."}
+    )
+    packing: bool = field(
+        default=False,
+        metadata={"help": "Pack several sequences into each row of max_length tokens (best-fit decreasing); "
+                  "batches are padding-free, and packed sequences never attend to each other."},
+    )
+    padding_free: bool = field(
+        default=False,
+        metadata={"help": "Concatenate each batch into one row with position_ids and no padding (implied by --packing)."},
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.truncation_mode not in ("keep_end", "keep_start"):
+            raise ValueError(f"truncation_mode must be 'keep_end' or 'keep_start', got {self.truncation_mode!r}.")
+        if self.packing and self.max_length is None:
+            raise ValueError("packing needs max_length (the length of a packed row); set --max_length.")
