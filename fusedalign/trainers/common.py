@@ -52,7 +52,11 @@ def prepare_models(
     is_peft = peft_config is not None or hasattr(model, "peft_config")
     if peft_config is not None:
         from peft import get_peft_model
+        from transformers import set_seed
 
+        # The adapter's random init must not depend on what ran before in the process
+        # (Trainer seeds only later, in its __init__), or runs are not reproducible.
+        set_seed(args.seed)
         model = get_peft_model(model, peft_config)
     if getattr(args, "disable_dropout", False):
         disable_dropout(model)

@@ -27,7 +27,7 @@ def build_trainer(spec: dict, out_dir: str):
     trainer_name = spec.get("trainer", "dpo")
     common = dict(
         output_dir=out_dir, max_steps=spec.get("steps", 3), learning_rate=spec.get("lr", 0.5), optim="sgd",
-        lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=None,
+        lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=0.0,
         per_device_train_batch_size=spec["per_device_batch"], per_device_eval_batch_size=spec["per_device_batch"],
         gradient_accumulation_steps=spec.get("grad_accum", 1), train_sampling_strategy="sequential",
         logging_steps=1, save_strategy="no", seed=0, data_seed=0, fused_head=spec["fused"], report_to="none",
@@ -52,6 +52,13 @@ def build_trainer(spec: dict, out_dir: str):
         )
         config = spec.get("dataset_config", "standard_preference")
         trainer_cls = DPOTrainer
+    elif trainer_name == "sft":
+        from fusedalign.configs import SFTConfig
+        from fusedalign.trainers.sft import SFTTrainer
+
+        args = SFTConfig(**common, packing=spec.get("packing", False), padding_free=spec.get("padding_free", False))
+        config = spec.get("dataset_config", "standard_language_modeling")
+        trainer_cls = SFTTrainer
     else:
         raise ValueError(f"unknown trainer {trainer_name}")
     train = load_dataset_any("builtin:zen", config, split="train")
