@@ -77,12 +77,50 @@ def setup_distributed() -> Backend:
             "version 1. Set `fsdp_version: 2` in its fsdp_config (see configs/accelerate/fsdp2.yaml)."
         )
     if backend in (Backend.ZERO2, Backend.ZERO3) and use_cpu() and world_size_from_env() > 1:
-        os.environ["ACCELERATE_USE_CPU"] = "true"
         import deepspeed
 
         if not deepspeed.comm.is_initialized():
             deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
     return backend
+
+
+def configure_cpu_arguments(args: Any) -> None:
+    """Sets TrainingArguments so that each backend really runs on a machine without GPUs.
+
+    accelerate, asked for the CPU, turns every multi-process run into plain DDP
+    (MULTI_CPU), silently dropping DeepSpeed and FSDP. So:
+    - DeepSpeed: not "cpu" but the gloo backend: accelerate then keeps DeepSpeed, and
+      its device falls back to the CPU because no GPU exists.
+    - FSDP2 and DDP: "cpu" (gloo process group); FSDP is restored in `finish_cpu_setup`.
+    """
+    if torch.cuda.is_available():
+        return
+    backend = backend_from_env()
+    if backend in (Backend.ZERO2, Backend.ZERO3) and world_size_from_env() > 1:
+        args.use_cpu = False
+        args.ddp_backend = "gloo"
+        os.environ["ACCELERATE_USE_CPU"] = "false"
+    else:
+        args.use_cpu = True
+
+
+def finish_cpu_setup(args: Any) -> None:
+    """After the process state exists: make accelerate see FSDP2 on a CPU-only machine.
+
+    accelerate enables FSDP only for GPU-like distributed types; on CPU the state says
+    MULTI_CPU and the model would be wrapped in DDP instead, training without sharding
+    while claiming FSDP. Marking the (shared) process state as multi-device makes the
+    Accelerator pick FSDP; the device stays the CPU and the process group gloo.
+    """
+    if torch.cuda.is_available() or backend_from_env() is not Backend.FSDP2 or world_size_from_env() < 2:
+        return
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    _ = args.device  # creates the process state
+    state = PartialState()
+    if state.distributed_type == DistributedType.MULTI_CPU:
+        state.distributed_type = DistributedType.MULTI_GPU
 
 
 def is_zero3(accelerator: Any) -> bool:

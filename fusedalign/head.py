@@ -143,15 +143,15 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
     FSDP2 modifies modules in place, so there is nothing to unwrap for it.
     """
-    seen = 0
-    while seen < 8:
-        seen += 1
+    from transformers import PreTrainedModel
+
+    for _ in range(8):
         if hasattr(model, "get_base_model") and callable(model.get_base_model):  # PEFT
             model = model.get_base_model()
-        elif not hasattr(model, "config") and isinstance(getattr(model, "module", None), nn.Module):
+        elif not isinstance(model, PreTrainedModel) and isinstance(getattr(model, "module", None), nn.Module):
             model = model.module  # DDP, DeepSpeedEngine, accelerate wrappers
         else:
-            return model
+            break
     return model
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import TrainingArguments
 
-from fusedalign.distributed import use_cpu
+from fusedalign.distributed import configure_cpu_arguments, finish_cpu_setup
 
 
 @dataclass
@@ -76,9 +76,10 @@ class FusedAlignConfig(TrainingArguments):
         if self.use_liger_kernel:
             self.fused_head = True
             self.use_liger_kernel = False
-        # No accelerator present: train on the CPU, also under DeepSpeed and FSDP2.
-        if use_cpu() and not torch.cuda.is_available():
-            self.use_cpu = True
+        # No accelerator present: train on the CPU, also under DeepSpeed and FSDP2
+        # (distributed.py knows how each backend is brought up there).
+        configure_cpu_arguments(self)
         super().__post_init__()
+        finish_cpu_setup(self)
         if self.max_length is not None and self.max_length <= 0:
             raise ValueError(f"max_length must be positive, got {self.max_length}.")

@@ -26,7 +26,7 @@ def build_trainer(spec: dict, out_dir: str):
 
     trainer_name = spec.get("trainer", "dpo")
     common = dict(
-        output_dir=out_dir, max_steps=spec.get("steps", 3), learning_rate=spec.get("lr", 0.5), optim="sgd",
+        output_dir=out_dir, max_steps=spec.get("steps", 3), learning_rate=spec.get("lr", 0.1), optim="sgd",
         lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=0.0,
         per_device_train_batch_size=spec["per_device_batch"], per_device_eval_batch_size=spec["per_device_batch"],
         gradient_accumulation_steps=spec.get("grad_accum", 1), train_sampling_strategy="sequential",
@@ -76,7 +76,15 @@ def run(spec: dict, out_root: str) -> None:
     trainer = build_trainer(spec, out_dir)
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    result = {"losses": losses, "world_size": trainer.accelerator.num_processes}
+    result = {
+        "losses": losses,
+        "world_size": trainer.accelerator.num_processes,
+        # What really ran: the parity tests check it, since accelerate can silently fall
+        # back to DDP on CPU.
+        "distributed_type": str(trainer.accelerator.distributed_type),
+        "wrapper": type(trainer.model_wrapped).__name__,
+        "model_class": type(trainer.model).__name__,
+    }
     if spec.get("evaluate"):
         metrics = trainer.evaluate()
         result["eval"] = {k: v for k, v in metrics.items() if isinstance(v, float) and "runtime" not in k and "per_second" not in k}
