@@ -37,6 +37,12 @@ DEMO_DEFAULTS: dict[str, dict[str, Any]] = {
         lr_scheduler_type="constant", warmup_steps=0, logging_steps=5, save_strategy="no", beta=0.1,
         eval_strategy="epoch",
     ),
+    "kto": dict(
+        model_name_or_path="builtin:tiny-qwen2", dataset_name="builtin:zen",
+        dataset_config="standard_unpaired_preference", output_dir="outputs/kto", learning_rate=1e-3,
+        num_train_epochs=5, per_device_train_batch_size=8, lr_scheduler_type="constant", warmup_steps=0,
+        logging_steps=5, save_strategy="no", beta=0.1, eval_strategy="epoch",
+    ),
     "sft": dict(
         model_name_or_path="builtin:tiny-qwen2", dataset_name="builtin:zen",
         dataset_config="standard_language_modeling", output_dir="outputs/sft", learning_rate=1e-3,

@@ -2,6 +2,7 @@
 
 from fusedalign.configs.common import FusedAlignConfig, ModelArguments, ScriptArguments
 from fusedalign.configs.dpo import DPOConfig
+from fusedalign.configs.kto import KTOConfig
 from fusedalign.configs.sft import SFTConfig
 
-__all__ = ["DPOConfig", "FusedAlignConfig", "ModelArguments", "SFTConfig", "ScriptArguments"]
+__all__ = ["DPOConfig", "FusedAlignConfig", "KTOConfig", "ModelArguments", "SFTConfig", "ScriptArguments"]

@@ -47,6 +47,11 @@ def disable_dropout(model: nn.Module) -> None:
 class FusedAlignTrainer(Trainer):
     """Base of the fusedalign trainers (a `transformers.Trainer`)."""
 
+    # Metrics logged as totals per optimizer step (example counts, say) instead of means:
+    # in training, the sum over the logging window divided by its optimizer steps; in
+    # evaluation, the sum over the evaluation. The count half of their (sum, count) is ignored.
+    sum_metrics: frozenset[str] = frozenset()
+
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         # compute_loss already divides by the global count of the whole optimizer step;
@@ -56,6 +61,7 @@ class FusedAlignTrainer(Trainer):
             "train": defaultdict(lambda: [0.0, 0.0]),
             "eval": defaultdict(lambda: [0.0, 0.0]),
         }
+        self._steps_since_log = 0  # optimizer steps in the current training logging window
         self.add_callback(MetricsJSONLCallback())
 
     # ---------------------------------------------------------------- subclass API
@@ -83,6 +89,7 @@ class FusedAlignTrainer(Trainer):
                 batch_samples.append(next(epoch_iterator))
             except StopIteration:
                 break
+        self._steps_since_log += 1
         local = sum(self.count_items(batch) for batch in batch_samples)
         total = self.accelerator.reduce(torch.tensor(float(local), device=device), reduction="sum")
         return batch_samples, total
@@ -125,8 +132,13 @@ class FusedAlignTrainer(Trainer):
         mode = "train" if self.model.training else "eval"
         prefix = "eval_" if mode == "eval" else ""
         sums = self._metric_sums[mode]
+        steps = max(self._steps_since_log, 1) if mode == "train" else 1
         for name, (total, count) in sums.items():
-            if count > 0:
+            if name in self.sum_metrics:
+                logs[prefix + name] = total / steps
+            elif count > 0:
                 logs[prefix + name] = total / count
         sums.clear()
+        if mode == "train":
+            self._steps_since_log = 0
         super().log(logs, start_time)

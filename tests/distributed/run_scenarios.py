@@ -59,6 +59,22 @@ def build_trainer(spec: dict, out_dir: str):
         args = SFTConfig(**common, packing=spec.get("packing", False), padding_free=spec.get("padding_free", False))
         config = spec.get("dataset_config", "standard_language_modeling")
         trainer_cls = SFTTrainer
+    elif trainer_name == "kto":
+        from fusedalign.configs import KTOConfig
+        from fusedalign.trainers.kto import KTOTrainer
+
+        # KL pairs are fixed per dataset row (seed) and z0 is taken over the whole optimizer
+        # step, so any split of the global batch (ranks x accumulation x per-device batch)
+        # trains the same. A different reference (e.g. builtin:tiny-llama, same tokenizer)
+        # makes the log-ratios, and so z0, non-zero from the first step.
+        loss_type = spec.get("loss_type", "kto")
+        args = KTOConfig(
+            **common, beta=spec.get("beta", 0.5), loss_type=loss_type[0] if isinstance(loss_type, list) else loss_type,
+            max_prompt_length=32, precompute_ref_log_probs=spec.get("precompute", False),
+            ref_model_name_or_path=spec.get("ref_model"), unpair_preference=spec.get("unpair_preference", False),
+        )
+        config = spec.get("dataset_config", "standard_unpaired_preference")
+        trainer_cls = KTOTrainer
     else:
         raise ValueError(f"unknown trainer {trainer_name}")
     train = load_dataset_any("builtin:zen", config, split="train")
