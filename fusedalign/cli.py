@@ -135,8 +135,6 @@ def train_and_save(trainer: Any, args: Any) -> None:
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     prepare_final_save(trainer)
     trainer.save_model(args.output_dir)
-    if args.eval_strategy != "no":
-        trainer.evaluate()
     if trainer.is_world_process_zero():
         try:
             print(f"[fusedalign] training curves: {plot_run(args.output_dir)}", file=sys.stderr)
