@@ -61,8 +61,9 @@ def head_logprobs(
         chunk_size: tokens per chunk; overrides `memory_budget_bytes`.
         memory_budget_bytes: bytes for one fp32 logits chunk [rows, V] (default 256 MiB
             on CUDA, 32 MiB elsewhere); peak extra memory is a small multiple of it.
-        backend: "auto" (picks "torch" today), "torch" (chunked PyTorch), "reference"
-            (unfused, materialises z) or "triton" (when `ops/triton_head.py` exists).
+        backend: "auto" ("triton" on CUDA when Triton is installed and the dtype is
+            fp32/bf16/fp16, else "torch"), "torch" (chunked PyTorch), "reference"
+            (unfused, materialises z) or "triton" (cuBLAS GEMMs + Triton kernels, CUDA).
 
     Returns:
         HeadOutput with `logps` [N] float32 and the requested statistics ([N] float32, or
@@ -75,7 +76,7 @@ def head_logprobs(
     """
     hidden, weight, bias, low_rank = _apply_autocast(hidden, weight, bias, low_rank)
     _check_tensors(hidden, weight, labels, bias, low_rank)
-    impl = resolve_backend(backend, hidden.device)
+    impl = resolve_backend(backend, hidden.device, hidden.dtype)
     n, v = hidden.shape[0], weight.shape[0]
     opts = HeadOptions(
         temperature=_positive("temperature", temperature),

@@ -38,20 +38,31 @@ class Backend:
         run: the implementation.
         unavailable_reason: returns None when the backend can run on `device`, else a
             sentence saying why not.
+        dtype_reason: likewise for the dtype of `hidden`.
     """
 
     key: str
     name: str
     run: BackendFn
     unavailable_reason: Callable[[torch.device], str | None] = lambda device: None
+    dtype_reason: Callable[[torch.dtype], str | None] = lambda dtype: None
+
+    def reason(self, device: torch.device, dtype: torch.dtype | None) -> str | None:
+        """Why this backend cannot run here, or None when it can."""
+        why = self.unavailable_reason(device)
+        if why is None and dtype is not None:
+            why = self.dtype_reason(dtype)
+        return why
 
 
 _BACKENDS: dict[str, Backend] = {}
 # Backends living in optional modules, imported on first request.
 _LAZY_MODULES = {"triton": "fusedalign.ops.triton_head"}
-# What backend="auto" tries, in order. Only "torch" for now: a faster backend joins
-# the front of this list once it matches "torch" in the parity tests.
-_AUTO_ORDER = ("torch",)
+# Device types a lazily imported backend can run on: "auto" does not even import it
+# elsewhere (importing Triton on a CPU box costs time and proves nothing).
+_LAZY_DEVICE_TYPES = {"triton": ("cuda",)}
+# What backend="auto" tries, in order: the first that can run on the device and dtype.
+_AUTO_ORDER = ("triton", "torch")
 
 
 def register_backend(backend: Backend) -> None:
@@ -82,8 +93,13 @@ def _lookup(key: str) -> Backend:
     return _BACKENDS[key]
 
 
-def resolve_backend(requested: str, device: torch.device) -> Backend:
-    """The backend to run for `backend=requested` on `device`.
+def resolve_backend(
+    requested: str, device: torch.device, dtype: torch.dtype | None = None
+) -> Backend:
+    """The backend to run for `backend=requested` on `device` with `hidden` of `dtype`.
+
+    "auto" takes the first of `_AUTO_ORDER` that imports and can run here; "triton" on
+    CUDA when Triton is installed, else "torch".
 
     Raises:
         ValueError: `requested` names no backend.
@@ -93,12 +109,17 @@ def resolve_backend(requested: str, device: torch.device) -> Backend:
         raise TypeError(f"backend must be a string, got {type(requested).__name__}")
     if requested == "auto":
         for key in _AUTO_ORDER:
-            backend = _lookup(key)
-            if backend.unavailable_reason(device) is None:
+            if device.type not in _LAZY_DEVICE_TYPES.get(key, (device.type,)):
+                continue
+            try:
+                backend = _lookup(key)
+            except BackendUnavailableError:  # e.g. Triton not installed: try the next
+                continue
+            if backend.reason(device, dtype) is None:
                 return backend
         raise BackendUnavailableError(f"no backend of {_AUTO_ORDER} can run on {device}")
     backend = _lookup(requested)
-    reason = backend.unavailable_reason(device)
+    reason = backend.reason(device, dtype)
     if reason is not None:
         raise BackendUnavailableError(
             f"backend {requested!r} cannot run on {device}: {reason}. "

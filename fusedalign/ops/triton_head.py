@@ -1,0 +1,301 @@
+"""The "triton" backend: cuBLAS for the GEMMs, one Triton kernel for each chunk's element-wise work.
+
+Same function as the "torch" backend (docs/internals.md), differently chunked: over the
+*vocabulary*, not the tokens. A chunk is L = h W[c0:c0+C]^T, [N, C] in the input dtype,
+for all N tokens at once; the number of logits per chunk is the torch backend's
+(chunk_rows x V), so `chunk_size` / `memory_budget_bytes` mean the same amount of memory.
+
+Forward, per chunk: L = h W_c^T (cuBLAS) -> `fwd_chunk_kernel` reads L once and folds it
+into per-token running state (online max / sum-exp, label logit, entropy, sum, argmax).
+Saved for backward: the inputs and lse [N].
+
+Backward, per chunk: recompute L (cuBLAS) -> `bwd_chunk_kernel` overwrites L with
+G = dlogp/dL * g (input dtype) -> grad_W[c] = G^T h and grad_up[c] = s G^T down are
+complete at once (the GEMM sums over all N tokens in fp32 and rounds once), and
+grad_h += G W_c, grad_down += s G up_c accumulate over chunks in fp32.
+
+Why the vocabulary: with a chunk of M logits, one of the two parameter-sized gradients
+must be accumulated across chunks. Chunking tokens accumulates grad_W (V x H) over N V / M
+chunks; chunking the vocabulary accumulates grad_h (N x H) over the same number of chunks.
+N < V in every run we care about (V ~ 150k), so this moves ~V/N times fewer bytes and
+needs an fp32 accumulator of N x H x 4 bytes instead of V x H x 4 (for bf16/fp16 inputs;
+fp32 inputs accumulate straight into the returned gradient).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton  # noqa: F401  (ImportError here = backend unavailable, reported by the registry)
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from fusedalign.ops.options import HeadOptions, HeadOutput, LowRank
+from fusedalign.ops.registry import Backend, register_backend
+
+# Launch shapes (rows per program, columns per program/step, warps). Module-level so a
+# benchmark can sweep them; not part of the API.
+FWD_CONFIG = (4, 1024, 8)
+BWD_CONFIG = (32, 256, 8)
+# Chunk widths are rounded down to a multiple of this (GEMM- and kernel-friendly).
+COL_ALIGN = 256
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _kernels():
+    # Imported on first use, not with this module, so that tests can choose
+    # TRITON_INTERPRET before the kernels are decorated.
+    from fusedalign.ops import triton_kernels
+
+    return triton_kernels
+
+
+def chunk_cols(n: int, v: int, opts: HeadOptions) -> int:
+    """Vocabulary columns per chunk: chunk_rows x V logits laid out as [N, C]."""
+    cols = opts.chunk_rows * v // max(n, 1)
+    if cols >= v:
+        return v
+    if cols >= 2 * COL_ALIGN:
+        cols -= cols % COL_ALIGN
+    return max(cols, 1)
+
+
+class _TritonHeadLogprobs(torch.autograd.Function):
+    """Autograd function; `opts` carries every non-tensor option (fixed backward arity)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, bias, down, up, opts: HeadOptions):
+        with torch.autocast("cuda", enabled=False), _on(hidden):
+            logps, entropy, mean, match, lse = _forward(hidden, weight, labels, bias, down, up, opts)
+        ctx.save_for_backward(hidden, weight, labels, bias, down, up, lse)
+        ctx.opts = opts
+        ctx.mark_non_differentiable(*[t for t in (entropy, mean, match) if t is not None])
+        return logps, entropy, mean, match
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_logps, _grad_entropy, _grad_mean, _grad_argmax):
+        hidden, weight, labels, bias, down, up, lse = ctx.saved_tensors
+        needs = ctx.needs_input_grad  # (hidden, weight, labels, bias, down, up, opts)
+        with torch.autocast("cuda", enabled=False), _on(hidden):
+            g_h, g_w, g_b, g_down, g_up = _backward(
+                grad_logps, hidden, weight, labels, bias, down, up, lse, ctx.opts,
+                need=(needs[0], needs[1], needs[3], needs[4], needs[5]),
+            )
+        return g_h, g_w, None, g_b, g_down, g_up, None
+
+
+def _on(t: Tensor):
+    """Triton launches on the current CUDA device: make it the tensors' device."""
+    return torch.cuda.device(t.device) if t.is_cuda else _Nothing()
+
+
+class _Nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _blocks(config: tuple[int, int, int], n: int, cols: int, cuda: bool) -> tuple[int, int, int]:
+    """Launch shape; under the CPU interpreter, shrunk to the (tiny) test problem."""
+    if cuda:
+        return config
+    # The interpreter pays per program and per op, not per element: few, large programs.
+    return min(64, triton.next_power_of_2(n)), min(1024, triton.next_power_of_2(cols)), config[2]
+
+
+def _scalars(opts: HeadOptions) -> tuple[float, float, float, float]:
+    softcap = 1.0 if opts.softcap is None else opts.softcap
+    return opts.logit_scale, opts.low_rank_scale, softcap, 1.0 / opts.temperature
+
+
+def _chunk_logits(buf, lbuf, hidden, weight, down, up, c0, cl):
+    """L = h W_c^T (and lora = down up_c^T) into the front of the reusable buffers."""
+    n = hidden.shape[0]
+    x = buf[: n * cl].view(n, cl)
+    torch.mm(hidden, weight[c0:c0 + cl].t(), out=x)  # [N, H] @ [H, C]
+    lx = x  # a placeholder pointer when there is no adapter
+    if lbuf is not None:
+        lx = lbuf[: n * cl].view(n, cl)
+        torch.mm(down, up[c0:c0 + cl].t(), out=lx)  # [N, r] @ [r, C]
+    return x, lx
+
+
+def _forward(hidden, weight, labels, bias, down, up, opts: HeadOptions):
+    """Returns (logps, entropy, logit_mean, argmax_match, lse); stats None unless asked."""
+    n, v, dev = hidden.shape[0], weight.shape[0], hidden.device
+    f32 = torch.float32
+    valid = labels != opts.ignore_index
+    lab = torch.where(valid, labels, -1).to(torch.int32)
+    m, s, tgt = (torch.zeros(n, dtype=f32, device=dev) for _ in range(3))
+    w = torch.zeros(n, dtype=f32, device=dev) if opts.entropy else m
+    zsum = torch.zeros(n, dtype=f32, device=dev) if opts.logit_mean else m
+    zmax = torch.zeros(n, dtype=f32, device=dev) if opts.argmax else m
+    amax = torch.zeros(n, dtype=torch.int32, device=dev) if opts.argmax else lab
+    if n > 0:
+        kernel = _kernels().fwd_chunk_kernel
+        cols = chunk_cols(n, v, opts)
+        buf = torch.empty(n * cols, dtype=hidden.dtype, device=dev)
+        lbuf = None if down is None else torch.empty(n * cols, dtype=down.dtype, device=dev)
+        br, bc, warps = _blocks(FWD_CONFIG, n, cols, hidden.is_cuda)
+        scale, lr_scale, softcap, inv_t = _scalars(opts)
+        for c0 in range(0, v, cols):
+            cl = min(cols, v - c0)
+            x, lx = _chunk_logits(buf, lbuf, hidden, weight, down, up, c0, cl)
+            kernel[(triton.cdiv(n, br),)](
+                x, cl, lx, cl, x if bias is None else bias, lab,
+                m, s, tgt, w, zsum, zmax, amax,
+                n, c0, cl, int(c0 == 0),
+                scale, lr_scale, softcap, inv_t,
+                HAS_BIAS=bias is not None, HAS_LORA=down is not None,
+                HAS_SOFTCAP=opts.softcap is not None, ENTROPY=opts.entropy,
+                MEAN=opts.logit_mean, ARGMAX=opts.argmax, ACCURATE_TANH=hidden.is_cuda,
+                BLOCK_R=br, BLOCK_C=bc, num_warps=warps,
+            )
+        del buf, lbuf
+    log_s = torch.log(s)
+    lse = m + log_s
+    logps = torch.where(valid, tgt - lse, 0.0)
+    entropy = log_s - w / s if opts.entropy else None
+    mean = zsum / v if opts.logit_mean else None
+    match = (amax.long() == labels) & valid if opts.argmax else None
+    return logps, entropy, mean, match, lse
+
+
+def _backward(g, hidden, weight, labels, bias, down, up, lse, opts: HeadOptions, *, need):
+    """Gradients (hidden, weight, bias, down, up) of sum_i g_i logp_i; None where not needed."""
+    need_h, need_w, need_b, need_down, need_up = need
+    n, v, dev = hidden.shape[0], weight.shape[0], hidden.device
+    valid = labels != opts.ignore_index
+    lab = torch.where(valid, labels, -1).to(torch.int32)
+    # Ignored positions get exactly zero gradient, even if the upstream sent NaN there.
+    gs = torch.where(valid, g.float(), 0.0) * (opts.logit_scale / opts.temperature)
+
+    def acc_like(t: Tensor) -> Tensor:  # fp32 running sum for half-precision tensors
+        return torch.zeros(t.shape, dtype=torch.float32 if t.dtype in _HALF else t.dtype, device=dev)
+
+    g_h = acc_like(hidden) if need_h else None
+    g_down = acc_like(down) if need_down else None
+    # Complete per chunk (their GEMM sums over all N tokens): written once, no accumulator.
+    zeros_if_empty = torch.zeros if n == 0 else torch.empty
+    g_w = zeros_if_empty(weight.shape, dtype=weight.dtype, device=dev) if need_w else None
+    g_b = zeros_if_empty(bias.shape, dtype=bias.dtype, device=dev) if need_b else None
+    g_up = zeros_if_empty(up.shape, dtype=up.dtype, device=dev) if need_up else None
+
+    if n > 0:
+        kernel = _kernels().bwd_chunk_kernel
+        cols = chunk_cols(n, v, opts)
+        buf = torch.empty(n * cols, dtype=hidden.dtype, device=dev)
+        lbuf = None if down is None else torch.empty(n * cols, dtype=down.dtype, device=dev)
+        br, bc, warps = _blocks(BWD_CONFIG, n, cols, hidden.is_cuda)
+        row_blocks = triton.cdiv(n, br)
+        dbias = torch.empty(row_blocks, cols, dtype=torch.float32, device=dev) if need_b else lab
+        scale, lr_scale, softcap, inv_t = _scalars(opts)
+        for c0 in range(0, v, cols):
+            cl = min(cols, v - c0)
+            x, lx = _chunk_logits(buf, lbuf, hidden, weight, down, up, c0, cl)
+            kernel[(row_blocks, triton.cdiv(cl, bc))](
+                x, cl, lx, cl, x if bias is None else bias, lab, lse, gs, dbias, cols,
+                n, c0, cl,
+                scale, lr_scale, softcap, inv_t,
+                HAS_BIAS=bias is not None, HAS_LORA=down is not None,
+                HAS_SOFTCAP=opts.softcap is not None, BIAS_GRAD=need_b,
+                LORA_GRAD=need_down or need_up, ACCURATE_TANH=hidden.is_cuda,
+                BLOCK_R=br, BLOCK_C=bc, num_warps=warps,
+            )
+            # x now holds G [N, C] (input dtype); lx holds G in the adapter's dtype.
+            w_c = weight[c0:c0 + cl]
+            if need_h:
+                _accumulate_mm(g_h, x, w_c)  # [N, C] @ [C, H]
+            if need_w:
+                torch.mm(x.t(), hidden, out=g_w[c0:c0 + cl])  # [C, N] @ [N, H]
+            if need_b:
+                g_b[c0:c0 + cl] = dbias[:, :cl].sum(dim=0)
+            if need_up:
+                g_up[c0:c0 + cl] = _wide_mm(lx.t(), down).mul_(lr_scale)  # [C, N] @ [N, r]
+            if need_down:
+                _accumulate_mm(g_down, lx, up[c0:c0 + cl])  # [N, C] @ [C, r]
+        del buf, lbuf, dbias
+
+    if g_down is not None:
+        g_down = g_down.mul_(opts.low_rank_scale).to(down.dtype)
+    if g_h is not None:
+        g_h = g_h.to(hidden.dtype)
+    return g_h, g_w, g_b, g_down, g_up
+
+
+# torch.mm / torch.addmm(..., out_dtype=float32): a bf16/fp16 GEMM that returns (or adds
+# into) its fp32 accumulator instead of rounding it. CUDA only, recent PyTorch.
+_HAS_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")
+
+
+def _wide_mm(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b in fp32 (or a's dtype when that is wider)."""
+    if a.dtype not in _HALF:
+        return torch.mm(a, b)
+    if a.is_cuda and _HAS_MM_OUT_DTYPE:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    if a.is_cuda:
+        return torch.mm(a, b).float()
+    return torch.mm(a.float(), b.float())  # CPU (interpreter tests): exact products, fp32 sums
+
+
+def _accumulate_mm(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """acc += a @ b with acc in fp32 while a, b may be bf16/fp16."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif a.is_cuda and _addmm_into_fp32_works(a.device, a.dtype):
+        # cuBLAS reads acc as C with beta = 1: no [N, H] temporary, one pass over acc.
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:
+        acc.add_(_wide_mm(a, b))
+
+
+@functools.lru_cache(maxsize=None)
+def _addmm_into_fp32_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this PyTorch accumulates a half-precision GEMM into an fp32 tensor in place."""
+    if not hasattr(torch.ops.aten.addmm, "dtype_out"):
+        return False
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(64, 48, device=device, generator=gen).to(dtype)
+    b = torch.randn(48, 40, device=device, generator=gen).to(dtype)
+    acc = torch.randn(64, 40, device=device, generator=gen)
+    want = acc + a.float() @ b.float()
+    try:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    return bool(torch.allclose(acc, want, rtol=1e-3, atol=1e-3))
+
+
+def triton_head_logprobs(
+    hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None,
+    low_rank: LowRank | None, opts: HeadOptions,
+) -> HeadOutput:
+    """The "triton" backend. Inputs are validated by `head_logprobs`; shapes as there."""
+    down, up = (None, None) if low_rank is None else (low_rank.down, low_rank.up)
+    logps, entropy, mean, match = _TritonHeadLogprobs.apply(
+        hidden, weight, labels, bias, down, up, opts
+    )
+    return HeadOutput(logps, entropy, mean, match, backend="triton")
+
+
+def _device_reason(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return "its kernels run on CUDA devices only"
+    return None
+
+
+def _dtype_reason(dtype: torch.dtype) -> str | None:
+    if dtype not in (torch.float32, *_HALF):
+        return f"it computes in float32 and takes float32/bfloat16/float16 inputs, not {dtype}"
+    return None
+
+
+register_backend(
+    Backend(key="triton", name="triton", run=triton_head_logprobs,
+            unavailable_reason=_device_reason, dtype_reason=_dtype_reason)
+)

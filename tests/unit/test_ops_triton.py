@@ -1,0 +1,302 @@
+"""The "triton" backend of `head_logprobs`: parity with the oracle of test_ops.py.
+
+Two tiers:
+- on CUDA (skipped without a GPU): the op parity suite run through `backend="triton"`
+  (values, statistics and every gradient; fp32 to ~1e-5 relative, bf16 no worse than the
+  unfused bf16 computation plus a small tolerance), memory, and `auto` selection;
+- on CPU without a GPU: the same kernels under Triton's interpreter (TRITON_INTERPRET=1)
+  on a few small cases, so CI exercises the kernels' arithmetic too.
+
+Everything is skipped when Triton is not installed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fusedalign.ops import BackendUnavailableError, LowRank, head_logprobs
+from fusedalign.ops.options import HeadOptions, resolve_chunk_rows
+from tests.unit.test_ops import (
+    ALL_CASES,
+    CASES,
+    fro_err,
+    grad_inputs,
+    make_problem,
+    opts_of,
+    rel_err,
+    run_op,
+    run_oracle,
+)
+
+pytest.importorskip("triton")
+
+CUDA = torch.cuda.is_available()
+REPO = Path(__file__).resolve().parents[2]
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+GRAD_NAMES = ("hidden", "weight", "bias", "down", "up")
+
+
+def on(p, device):
+    """The problem's tensors as fresh leaves on `device` (labels and upstream too)."""
+    out = {}
+    for k, t in p.items():
+        if t is None or k in ("labels", "g"):
+            out[k] = None if t is None else t.to(device)
+        else:
+            out[k] = t.detach().to(device).requires_grad_()
+    return out
+
+
+def expected_stats(p, opts):
+    _, _, z = run_oracle(p, opts)
+    z = z.detach()
+    logq = torch.log_softmax(z / opts["temperature"], dim=-1)
+    valid = p["labels"] != -100
+    return -(logq.exp() * logq).sum(-1), z.mean(-1), (z.argmax(-1) == p["labels"]) & valid
+
+
+def check_parity(p_dev, p_cpu, opts, out, grads, rtol):
+    want, want_grads, _ = run_oracle(p_cpu, opts)  # fp64 truth on the same rounded inputs
+    assert out.backend == "triton"
+    assert out.logps.dtype == torch.float32 and out.logps.shape == want.shape
+    assert rel_err(out.logps.cpu(), want) <= rtol
+    for name, got, ref, leaf in zip(GRAD_NAMES, grads, want_grads, grad_inputs(p_dev)):
+        assert got.dtype == leaf.dtype and got.shape == leaf.shape, name
+        assert rel_err(got.cpu(), ref) <= rtol, name
+
+
+# --------------------------------------------------------------------------- CUDA
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(ALL_CASES), ids=list(ALL_CASES))
+def test_cuda_values_and_grads_match_oracle(case):
+    n, v, h, chunk, prob, opt = ALL_CASES[case]
+    p = make_problem(n, v, h, dtype=torch.float32, **prob)
+    opts = opts_of(**opt)
+    pd = on(p, "cuda")
+    out, grads = run_op(pd, opts, "triton", chunk_size=chunk)
+    # fp32 GEMMs on another device and the kernels' fast exp: a little above CPU's 3e-6.
+    check_parity(pd, p, opts, out, grads, rtol=1e-5)
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "n, v, h, chunk, seed",
+    [(96, 300, 64, 17, 7), (96, 300, 64, 17, 3), (1024, 128, 32, 16, 0), (512, 6000, 128, 40, 1)],
+)
+def test_cuda_bf16_error_no_worse_than_unfused_bf16(n, v, h, chunk, seed):
+    """Cut Cross-Entropy's criterion: err(fused) <= err(naive bf16) + tol, against fp64."""
+    p = make_problem(n, v, h, dtype=torch.bfloat16, bias=True, rank=4, ignore_frac=0.2,
+                     logit_std=4.0, seed=seed)
+    opts = opts_of(temperature=0.9, softcap=6.0, logit_scale=1.1, lr_scale=0.5)
+    truth, truth_grads, _ = run_oracle(p, opts)
+    naive, naive_grads, _ = run_oracle(p, opts, as_dtype=torch.bfloat16, upcast=torch.float32)
+    pd = on(p, "cuda")
+    out, grads = run_op(pd, opts, "triton", chunk_size=chunk)
+    assert out.backend == "triton"
+    tol = 1e-3
+    assert fro_err(out.logps.cpu(), truth) <= fro_err(naive, truth) + tol
+    for name, got, ref, nv in zip(GRAD_NAMES, grads, truth_grads, naive_grads):
+        assert got.dtype == torch.bfloat16, name
+        assert fro_err(got.cpu(), ref) <= fro_err(nv, ref) + tol, name
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_cuda_fp32_adapter_on_bf16_head():
+    """PEFT keeps LoRA weights in fp32 over a bf16 model: G reaches them in fp32."""
+    p = make_problem(200, 700, 64, dtype=torch.bfloat16, bias=True, rank=8, ignore_frac=0.2, seed=5)
+    for k in ("down", "up"):
+        p[k] = p[k].detach().float().requires_grad_()
+    opts = opts_of(temperature=1.0, softcap=None, lr_scale=0.7)
+    truth, truth_grads, _ = run_oracle(p, opts)
+    naive, naive_grads = run_op(p, opts, "torch", chunk_size=13)  # chunked torch on CPU
+    pd = on(p, "cuda")
+    out, grads = run_op(pd, opts, "triton", chunk_size=13)
+    assert fro_err(out.logps.cpu(), truth) <= fro_err(naive.logps, truth) + 1e-3
+    for name, got, ref, nv, leaf in zip(GRAD_NAMES, grads, truth_grads, naive_grads,
+                                        grad_inputs(pd)):
+        assert got.dtype == leaf.dtype, name
+        assert fro_err(got.cpu(), ref) <= fro_err(nv, ref) + 1e-3, name
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["mixed_ignored", "everything", "softcap", "random3"])
+def test_cuda_stats_match_oracle(case):
+    n, v, h, chunk, prob, opt = ALL_CASES[case]
+    p = make_problem(n, v, h, dtype=torch.float32, **prob)
+    opts = opts_of(**opt)
+    want_entropy, want_mean, want_match = expected_stats(p, opts)
+    pd = on(p, "cuda")
+    lr = None if pd["down"] is None else LowRank(pd["down"], pd["up"], opts["lr_scale"])
+    out = head_logprobs(pd["hidden"], pd["weight"], pd["labels"], pd["bias"],
+                        temperature=opts["temperature"], softcap=opts["softcap"],
+                        logit_scale=opts["logit_scale"], low_rank=lr, entropy=True,
+                        logit_mean=True, argmax=True, chunk_size=chunk, backend="triton")
+    assert not (out.entropy.requires_grad or out.logit_mean.requires_grad)
+    assert rel_err(out.entropy.cpu(), want_entropy) <= 1e-5
+    assert rel_err(out.logit_mean.cpu(), want_mean) <= 1e-5
+    assert torch.equal(out.argmax_match.cpu(), want_match)
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_cuda_ignored_positions_exact_zeros_even_with_nan_upstream():
+    n, v, h, chunk, prob, opt = CASES["everything"]
+    p = on(make_problem(n, v, h, dtype=torch.float32, **prob), "cuda")
+    ignored = p["labels"] == -100
+    p["g"] = torch.where(ignored, torch.nan, p["g"])
+    out, grads = run_op(p, opts_of(**opt), "triton", chunk_size=chunk)
+    assert torch.equal(out.logps[ignored], torch.zeros_like(out.logps[ignored]))
+    assert all(torch.isfinite(g).all() for g in grads)
+    assert torch.count_nonzero(grads[0][ignored]) == 0
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_cuda_only_some_inputs_require_grad_and_noncontiguous():
+    p = make_problem(30, 77, 12, dtype=torch.float32, bias=True, rank=2)
+    pd = on(p, "cuda")
+    hidden = pd["hidden"].detach()[:, ::2]  # strided, no grad
+    weight = pd["weight"].detach().t().contiguous().t()[:, ::2].requires_grad_()
+    lr = LowRank(pd["down"].detach(), pd["up"], 0.5)
+    out = head_logprobs(hidden, weight, pd["labels"], pd["bias"].detach(), low_rank=lr,
+                        chunk_size=7, backend="triton")
+    (out.logps * pd["g"].float()).sum().backward()
+    ref = {k: p[k].detach() for k in ("hidden", "weight", "down", "up")}
+    ref["weight"] = ref["weight"][:, ::2].clone().requires_grad_()
+    ref["up"] = ref["up"].clone().requires_grad_()
+    want = head_logprobs(ref["hidden"][:, ::2], ref["weight"], p["labels"], p["bias"].detach(),
+                         low_rank=LowRank(ref["down"], ref["up"], 0.5), backend="torch")
+    (want.logps * p["g"].float()).sum().backward()
+    assert rel_err(out.logps.cpu(), want.logps) <= 1e-5
+    assert rel_err(weight.grad.cpu(), ref["weight"].grad) <= 1e-5
+    assert rel_err(pd["up"].grad.cpu(), ref["up"].grad) <= 1e-5
+    assert pd["hidden"].grad is None and pd["down"].grad is None
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_cuda_auto_picks_triton_except_float64():
+    p = make_problem(8, 20, 4, dtype=torch.float32)
+    dev = {k: None if t is None else t.detach().cuda() for k, t in p.items()}
+    assert head_logprobs(dev["hidden"], dev["weight"], dev["labels"]).backend == "triton"
+    bf = dev["hidden"].bfloat16(), dev["weight"].bfloat16()
+    assert head_logprobs(*bf, dev["labels"]).backend == "triton"
+    d64 = dev["hidden"].double(), dev["weight"].double()
+    assert head_logprobs(*d64, dev["labels"]).backend == "torch-chunked"
+    with pytest.raises(BackendUnavailableError, match="float64"):
+        head_logprobs(*d64, dev["labels"], backend="triton")
+    # CPU keeps the torch backend.
+    assert head_logprobs(p["hidden"], p["weight"], p["labels"]).backend == "torch-chunked"
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_cuda_peak_memory_is_chunk_plus_hidden_accumulator():
+    n, v, h = 4096, 32000, 256
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(n, h, generator=gen).cuda().bfloat16().requires_grad_()
+    weight = (torch.randn(v, h, generator=gen) / 16).cuda().bfloat16().requires_grad_()
+    labels = torch.randint(0, v, (n,), generator=gen).cuda()
+    g = torch.randn(n, generator=gen).cuda()
+    budget = 8 * 2**20
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = head_logprobs(hidden, weight, labels, entropy=True, argmax=True,
+                        memory_budget_bytes=budget, backend="triton")
+    gh, gw = torch.autograd.grad((out.logps * g).sum(), [hidden, weight])
+    torch.cuda.synchronize()
+    returned = gh.numel() * gh.element_size() + gw.numel() * gw.element_size()
+    extra = torch.cuda.max_memory_allocated() - base - returned
+    # One bf16 chunk (<= budget / 2) + the fp32 grad_h accumulator (n h 4) + small change.
+    assert extra <= budget // 2 + n * h * 4 + 2 * 2**20, extra
+    assert extra < n * v * 2 // 8  # far below the bf16 logits
+
+
+# --------------------------------------------------------------------------- interpreter
+
+
+@pytest.mark.skipif(CUDA, reason="CUDA present: the kernels are tested compiled, above")
+def test_interpreter_kernels_match_oracle():
+    """The kernels under TRITON_INTERPRET=1 on CPU tensors, in a fresh process.
+
+    The variable must be set before `triton` itself is imported (its standard library
+    is decorated at import), so this cannot run in the pytest process.
+    """
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
+    code = "from tests.unit.test_ops_triton import interpreter_checks; interpreter_checks()"
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "interpreter checks passed" in done.stdout
+
+
+def interpreter_checks():
+    """Run in the subprocess above: a few small cases, fp32 and bf16, all outputs."""
+    import triton
+    from triton.runtime import interpreter
+
+    assert triton.knobs.runtime.interpret, "set TRITON_INTERPRET=1 before importing triton"
+    # Triton 3.6's interpreter turns a scalar kernel argument into a 1-element array and
+    # `range(0, n, B)` calls int() on it, which NumPy >= 2.4 refuses; read element 0.
+    original = interpreter._patch_lang_tensor
+
+    def patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patch_lang_tensor
+    for case in ("everything", "vocab_prime", "all_ignored", "random4"):
+        n, v, h, chunk, prob, opt = ALL_CASES[case]
+        p = make_problem(n, v, h, dtype=torch.float32, **prob)
+        opts = opts_of(**opt)
+        out, grads = run_interpreted(p, opts, chunk, stats=True)
+        check_parity(p, p, opts, out, grads, rtol=3e-6)
+        want_entropy, want_mean, want_match = expected_stats(p, opts)
+        assert rel_err(out.entropy, want_entropy) <= 1e-6, case
+        assert rel_err(out.logit_mean, want_mean) <= 1e-6, case
+        assert torch.equal(out.argmax_match, want_match), case
+
+    p = make_problem(48, 150, 32, dtype=torch.bfloat16, bias=True, rank=4, ignore_frac=0.2,
+                     logit_std=4.0, seed=7)
+    opts = opts_of(temperature=0.9, softcap=6.0, logit_scale=1.1, lr_scale=0.5)
+    truth, truth_grads, _ = run_oracle(p, opts)
+    naive, naive_grads, _ = run_oracle(p, opts, as_dtype=torch.bfloat16, upcast=torch.float32)
+    out, grads = run_interpreted(p, opts, chunk=9)
+    # The interpreter converts fp32 -> bf16 by truncation (the GPU rounds to nearest), so
+    # the stored gradient G carries twice the rounding error here: 2e-3, not CUDA's 1e-3.
+    tol = 2e-3
+    assert fro_err(out.logps, truth) <= fro_err(naive, truth) + tol
+    for name, got, ref, nv in zip(GRAD_NAMES, grads, truth_grads, naive_grads):
+        assert got.dtype == torch.bfloat16, name
+        assert fro_err(got, ref) <= fro_err(nv, ref) + tol, name
+    print("interpreter checks passed")
+
+
+def run_interpreted(p, opts, chunk, stats=False):
+    """The backend's run function on CPU tensors (the registry refuses CPU for "triton")."""
+    from fusedalign.ops.triton_head import triton_head_logprobs
+
+    n, v = p["hidden"].shape[0], p["weight"].shape[0]
+    lr = None if p["down"] is None else LowRank(p["down"], p["up"], opts["lr_scale"])
+    ho = HeadOptions(
+        temperature=opts["temperature"], softcap=opts["softcap"],
+        logit_scale=opts["logit_scale"], low_rank_scale=0.0 if lr is None else lr.scale,
+        entropy=stats, logit_mean=stats, argmax=stats,
+        chunk_rows=resolve_chunk_rows(n, v, torch.device("cpu"), chunk),
+    )
+    out = triton_head_logprobs(p["hidden"], p["weight"], p["labels"], p["bias"], lr, ho)
+    grads = torch.autograd.grad((out.logps * p["g"].float()).sum(), grad_inputs(p))
+    return out, list(grads)
