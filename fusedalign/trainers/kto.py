@@ -3,7 +3,9 @@
 Every forward KTO makes goes through `token_logprobs` (fused by default): the policy on
 the completions (with gradient), the policy on the KL pairs (no gradient: z0 is
 detached, as in TRL), and the reference on both, in one forward of the completion rows
-and the KL rows stacked.
+and the KL rows stacked. The policy's KL rows get their own no-grad forward rather than
+riding along with the completions: stacked, they would keep activations and cost
+backward work for outputs that are detached anyway.
 
 The KL reference point z0 (KTO paper, Eq. 7):
 
@@ -13,7 +15,9 @@ The KL reference point z0 (KTO paper, Eq. 7):
   its pairs when it builds its KL dataset; it does not depend on how rows are
   shuffled, batched or split over ranks and accumulation steps, which is what lets
   `precompute_ref_log_probs` store the reference log-prob of each row's KL pair, and
-  lets a run be split any way without changing z0.
+  lets a run be split any way without changing z0. (Where prompts repeat, as in
+  unpaired data made from pairs, a row meets its own prompt with probability about
+  repeats / rows.)
 - Estimate. z0 = max(0, mean over every pair of the optimizer step of
   log pi(y'|x) - log pi_ref(y'|x)): all micro-batches of the gradient accumulation and
   all ranks, summed, reduced, then clamped (`kl_sums` -> reduce -> `kl_from_sums`).
@@ -116,12 +120,17 @@ def _unpaired(dataset: Dataset, unpair: bool, split: str) -> Dataset:
 
 
 def check_kl_batch(args: KTOConfig) -> None:
-    """z0 needs mismatched pairs: at least 2 examples in each optimizer step."""
+    """z0 is a mean over the mismatched pairs of a step: at least 2 examples per optimizer step.
+
+    (TRL asks for a per-device batch >= 2 because it pairs within the micro-batch, where a
+    batch of 1 pairs a row with itself; here pairs are fixed per row, so accumulating
+    per-device batches of 1 is fine, but a step of one example would set z0 from one sample.)
+    """
     per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
     if args.uses_kl and per_step < 2:
         raise ValueError(
-            "KTO (loss_type='kto') estimates its KL reference point from the mismatched prompt/completion pairs "
-            f"of each optimizer step, which needs at least 2 examples per step; got per_device_train_batch_size="
+            "KTO (loss_type='kto') estimates its KL reference point as a mean over the mismatched prompt/completion "
+            f"pairs of each optimizer step, which needs at least 2 examples per step; got per_device_train_batch_size="
             f"{args.per_device_train_batch_size} x gradient_accumulation_steps={args.gradient_accumulation_steps} x "
             f"{args.world_size} process(es) = {per_step}. Use per_device_train_batch_size >= 2 (or accumulate "
             "several micro-batches); loss_type='apo_zero_unpaired' has no KL term."
@@ -132,7 +141,8 @@ def warn_on_class_balance(labels: Sequence[bool], args: KTOConfig) -> None:
     """Warns when one class is absent, or the weights are off KTO's guidance for unbalanced data."""
     n_d = int(sum(bool(x) for x in labels))
     n_u = len(labels) - n_d
-    guidance = "(desirable_weight * n_desirable) / (undesirable_weight * n_undesirable) in [1, 4/3]"
+    ratio_name = "(desirable_weight * n_desirable) / (undesirable_weight * n_undesirable)"
+    guidance = f"{ratio_name} in [1, 4/3]"
     if n_d == 0 or n_u == 0:
         present, absent = ("desirable", "undesirable") if n_u == 0 else ("undesirable", "desirable")
         logger.warning(
@@ -150,7 +160,7 @@ def warn_on_class_balance(labels: Sequence[bool], args: KTOConfig) -> None:
             "KTO: %d desirable and %d undesirable examples with desirable_weight=%g, undesirable_weight=%g give "
             "%s = %.3g, outside KTO's guidance %s. Set EITHER desirable_weight in [%.3g, %.3g] OR "
             "undesirable_weight in [%.3g, %.3g].",
-            n_d, n_u, args.desirable_weight, args.undesirable_weight, guidance.split(" in ")[0], ratio, guidance,
+            n_d, n_u, args.desirable_weight, args.undesirable_weight, ratio_name, ratio, guidance,
             d_lo, d_lo * 4 / 3, u_hi * 3 / 4, u_hi,
         )
 

@@ -1,0 +1,304 @@
+"""KTOTrainer on a tiny model: fused = unfused, any split of the step trains the same,
+reference modes, z0 and the loss against a hand computation, one-class batches, bad input."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+from datasets import Dataset
+
+from fusedalign.configs import KTOConfig
+from fusedalign.data import DataError, load_dataset_any, position_labels
+from fusedalign.head import token_logprobs
+from fusedalign.models import load_model, load_tokenizer
+from fusedalign.trainers.kto import KTOTrainer, kl_partners
+
+MODEL = "builtin:tiny-qwen2"
+ROWS = 24
+
+
+@pytest.fixture(scope="module")
+def zen() -> Dataset:
+    return load_dataset_any("builtin:zen", "standard_unpaired_preference").select(range(ROWS))
+
+
+@pytest.fixture(scope="module")
+def warm_state() -> dict[str, torch.Tensor]:
+    """The checkpoint after 3 Adam steps of language modelling on zen.
+
+    Used as the policy, with the checkpoint itself as the reference: log-ratios and the KL
+    reference point z0 are then non-zero from the first step (a fresh policy equals its
+    reference, and the tiny model's z0 stays clamped at 0 for a few steps).
+    """
+    torch.manual_seed(0)
+    model = load_model(MODEL)
+    tokenizer = load_tokenizer(MODEL)
+    rows = load_dataset_any("builtin:zen", "standard_unpaired_preference")
+    batch = tokenizer([r["prompt"] + r["completion"] for r in rows.select(range(64))], return_tensors="pt", padding=True)
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(3):
+        optimizer.zero_grad()
+        model(**batch, labels=labels).loss.backward()
+        optimizer.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _policy(state: dict[str, torch.Tensor] | None = None):
+    model = load_model(MODEL)
+    if state is not None:
+        model.load_state_dict(state)
+    return model
+
+
+def _args(tmp_path, **overrides) -> KTOConfig:
+    values = dict(
+        output_dir=str(tmp_path), max_steps=3, learning_rate=0.1, optim="sgd", lr_scheduler_type="constant",
+        warmup_steps=0, weight_decay=0.0, max_grad_norm=0.0, per_device_train_batch_size=4,
+        per_device_eval_batch_size=4, train_sampling_strategy="sequential", logging_steps=1, save_strategy="no",
+        report_to="none", seed=0, data_seed=0, dataloader_drop_last=True, max_length=64, max_prompt_length=32,
+        disable_tqdm=True, beta=0.5,
+    )
+    values.update(overrides)
+    return KTOConfig(**values)
+
+
+def _train(policy, args, data, **kwargs):
+    trainer = KTOTrainer(policy, args=args, train_dataset=data, **kwargs)
+    trainer.train()
+    history = trainer.state.log_history
+    losses = [e["loss"] for e in history if "loss" in e]
+    kls = [e["kl"] for e in history if "kl" in e]
+    weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    return trainer, losses, kls, weights
+
+
+def _assert_same_run(a, b, rtol=1e-5):
+    (_, losses_a, kl_a, weights_a), (_, losses_b, kl_b, weights_b) = a, b
+    assert len(losses_a) == len(losses_b) == 3
+    torch.testing.assert_close(torch.tensor(losses_a), torch.tensor(losses_b), rtol=rtol, atol=0)
+    torch.testing.assert_close(torch.tensor(kl_a), torch.tensor(kl_b), rtol=rtol, atol=1e-6)
+    for name, value in weights_b.items():
+        torch.testing.assert_close(weights_a[name], value, rtol=rtol, atol=1e-7, msg=name)
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory, zen, warm_state):
+    """3 steps, fused, per-device batch 4, no accumulation, a separate reference model."""
+    return _train(_policy(warm_state), _args(tmp_path_factory.mktemp("baseline")), zen)
+
+
+def _first_batch(trainer):
+    return next(iter(trainer.get_train_dataloader()))
+
+
+# ------------------------------------------------------------------ parity
+
+
+def test_fused_equals_unfused_losses_and_weights(tmp_path, zen, warm_state, baseline):
+    assert baseline[0].args.fused_head
+    unfused = _train(_policy(warm_state), _args(tmp_path, fused_head=False), zen)
+    assert max(baseline[2]) > 0  # the KL term is exercised, not clamped away
+    _assert_same_run(baseline, unfused)
+
+
+@pytest.mark.parametrize("per_device, accumulation", [(2, 2), (1, 4)])
+def test_any_split_of_the_step_trains_the_same(tmp_path, zen, warm_state, baseline, per_device, accumulation):
+    """KL pairs are fixed per row and z0 is taken over the whole optimizer step, so
+    accumulating micro-batches equals one big batch exactly (TRL's per-micro-batch z0 would
+    differ); a per-device batch of 1 is fine when the step has more than one example."""
+    split = _train(
+        _policy(warm_state),
+        _args(tmp_path, per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation),
+        zen,
+    )
+    _assert_same_run(split, baseline)
+
+
+def test_precomputed_reference_equals_on_the_fly_and_skips_the_reference(tmp_path, zen, warm_state, baseline):
+    trainer = KTOTrainer(_policy(warm_state), args=_args(tmp_path, precompute_ref_log_probs=True,
+                                                          per_device_eval_batch_size=8), train_dataset=zen)
+    rows_seen = []
+    trainer.ref_model.register_forward_hook(lambda module, args, kwargs, out: rows_seen.append(kwargs["input_ids"].shape[0]),
+                                            with_kwargs=True)
+    trainer.train()
+    history = trainer.state.log_history
+    precomputed = (trainer, [e["loss"] for e in history if "loss" in e], [e["kl"] for e in history if "kl" in e],
+                   {n: p.detach().clone() for n, p in trainer.model.named_parameters()})
+    _assert_same_run(precomputed, baseline)
+    # One pass over the dataset, completions and KL pairs stacked (2 x 8 rows), then never again.
+    assert rows_seen == [16] * (ROWS // 8)
+    table = trainer._precomputed["train"].table
+    assert table.shape == (ROWS, 2) and bool((table[:, 1] != 0).all())
+
+
+# ------------------------------------------------------------------ what is computed
+
+
+def _sequence_logps(model, prompt: list[int], completion: list[int]) -> torch.Tensor:
+    ids = torch.tensor([prompt + completion])
+    mask = torch.tensor([[0] * len(prompt) + [1] * len(completion)])
+    labels = position_labels(ids, mask)
+    return token_logprobs(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, labels, fused=False).logps.sum()
+
+
+def test_z0_and_loss_match_a_hand_computation_and_no_gradient_flows_through_z0(tmp_path, zen, warm_state):
+    trainer = KTOTrainer(_policy(warm_state), args=_args(tmp_path, beta=0.3, desirable_weight=1.5), train_dataset=zen)
+    rows = trainer.train_dataset
+    partners = kl_partners(ROWS, seed=0)
+    assert all(p != i for i, p in enumerate(partners))
+    assert rows["kl_completion_ids"] == [rows[p]["completion_ids"] for p in partners]
+
+    batch = _first_batch(trainer)
+    policy, reference = trainer.model, trainer.ref_model
+    policy.zero_grad()
+    trainer.compute_loss(policy, batch).backward()  # a local mean outside the training loop
+    got = {n: p.grad.clone() for n, p in policy.named_parameters()}
+
+    policy.zero_grad()
+    index = batch["index"].tolist()
+    with torch.no_grad():
+        kl = [_sequence_logps(policy, rows[i]["prompt_ids"], rows[i]["kl_completion_ids"])
+              - _sequence_logps(reference, rows[i]["prompt_ids"], rows[i]["kl_completion_ids"]) for i in index]
+    z0 = max(0.0, float(sum(kl)) / len(kl))
+    assert z0 > 0
+    losses = []
+    for i in index:
+        r = _sequence_logps(policy, rows[i]["prompt_ids"], rows[i]["completion_ids"]) - _sequence_logps(
+            reference, rows[i]["prompt_ids"], rows[i]["completion_ids"]).detach()
+        if rows[i]["label"]:
+            losses.append(1.5 * (1 - torch.sigmoid(0.3 * (r - z0))))
+        else:
+            losses.append(1 - torch.sigmoid(0.3 * (z0 - r)))
+    expected = torch.stack(losses).mean()
+    expected.backward()
+    torch.testing.assert_close(batch["kl"], torch.tensor(z0), rtol=1e-5, atol=0)
+    assert torch.isclose(trainer.compute_loss(policy, batch).detach(), expected.detach(), rtol=1e-5)
+    for name, param in policy.named_parameters():
+        torch.testing.assert_close(got[name], param.grad, rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_peft_reference_is_the_policy_with_its_adapter_disabled(tmp_path, zen):
+    from peft import LoraConfig
+
+    torch.manual_seed(0)
+    lora = LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8, lora_dropout=0.0,
+                      target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    trainer = KTOTrainer(_policy(), args=_args(tmp_path, max_steps=2), train_dataset=zen, peft_config=lora)
+    assert trainer.ref_model is None
+    batch = _first_batch(trainer)
+    trainer._add_reference_and_kl(trainer.model, [batch], "eval")
+    base = _policy()
+    labels = position_labels(batch["input_ids"], batch["completion_mask"])
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    with torch.no_grad():
+        expected = token_logprobs(base, inputs, labels, fused=False).logps.sum(-1)
+        adapted = token_logprobs(trainer.model, inputs, labels, fused=False).logps.sum(-1)
+    torch.testing.assert_close(batch["ref_logps"], expected, rtol=1e-5, atol=1e-5)
+    assert (adapted - expected).abs().max() > 1e-3  # the adapter is on in the policy
+
+    lora_before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" in n}
+    trainer.train()
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+    for name, param in trainer.model.named_parameters():
+        if "lora_" in name:
+            assert not torch.equal(param, lora_before[name]), name
+    base_after = {n.replace("base_model.model.", "").replace(".base_layer", ""): p
+                  for n, p in trainer.model.named_parameters() if "lora_" not in n}
+    for name, param in base.named_parameters():
+        assert torch.equal(base_after[name], param), name
+
+
+@pytest.mark.parametrize("loss_type", ["kto", "apo_zero_unpaired"])
+@pytest.mark.parametrize("label", [True, False])
+def test_one_class_data_warns_and_gives_finite_connected_losses(tmp_path, zen, warm_state, caplog, label, loss_type):
+    one_class = zen.filter(lambda row: row["label"] == label)
+    with caplog.at_level(logging.WARNING):
+        trainer = KTOTrainer(_policy(warm_state), args=_args(tmp_path, loss_type=loss_type), train_dataset=one_class)
+    warning = caplog.text
+    assert "desirable_weight" in warning and "undesirable_weight" in warning and "[1, 4/3]" in warning
+    batch = _first_batch(trainer)
+    loss = trainer.compute_loss(trainer.model, batch)
+    assert torch.isfinite(loss)
+    loss.backward()
+    for name, param in trainer.model.named_parameters():
+        assert param.grad is not None and bool(torch.isfinite(param.grad).all()), name
+    metrics = trainer._metric_sums["train" if trainer.model.training else "eval"]
+    absent = "count/undesirable" if label else "count/desirable"
+    assert metrics[absent][0] == 0
+
+
+def test_metrics_counts_are_per_step_totals_and_margins_derived(tmp_path, zen, warm_state):
+    evaluation = load_dataset_any("builtin:zen", "standard_unpaired_preference", split="test").select(range(8))
+    trainer = KTOTrainer(_policy(warm_state), args=_args(tmp_path, max_steps=4, logging_steps=2), train_dataset=zen,
+                         eval_dataset=evaluation)
+    trainer.train()
+    logs = [e for e in trainer.state.log_history if "loss" in e]
+    assert len(logs) == 2
+    for entry in logs:
+        assert entry["count/desirable"] + entry["count/undesirable"] == 4  # per step, not per window or mean
+        assert entry["rewards/margins"] == pytest.approx(entry["rewards/chosen"] - entry["rewards/rejected"])
+        for key in ("logps/chosen", "logps/rejected", "kl"):
+            assert math.isfinite(entry[key])
+    metrics = trainer.evaluate()
+    assert metrics["eval_count/desirable"] + metrics["eval_count/undesirable"] == 8
+    assert metrics["eval_rewards/margins"] == pytest.approx(metrics["eval_rewards/chosen"] - metrics["eval_rewards/rejected"])
+
+
+def test_conversational_and_paired_data(tmp_path):
+    conversational = load_dataset_any("builtin:zen", "conversational_unpaired_preference").select(range(8))
+    trainer = KTOTrainer(_policy(), args=_args(tmp_path / "c", max_steps=1), train_dataset=conversational)
+    assert torch.isfinite(trainer.compute_loss(trainer.model, _first_batch(trainer)))
+
+    paired = load_dataset_any("builtin:zen", "standard_preference").select(range(6))
+    with pytest.raises(DataError, match="unpair_preference"):
+        KTOTrainer(_policy(), args=_args(tmp_path / "p"), train_dataset=paired)
+    trainer = KTOTrainer(_policy(), args=_args(tmp_path / "p", unpair_preference=True), train_dataset=paired)
+    assert len(trainer.train_dataset) == 12 and sum(trainer.train_dataset["label"]) == 6
+
+
+# ------------------------------------------------------------------ bad input
+
+
+def test_non_boolean_label_is_refused(tmp_path):
+    data = Dataset.from_dict({"prompt": ["a", "b"], "completion": [" x", " y"], "label": ["yes", "no"]})
+    with pytest.raises(DataError, match="label"):
+        KTOTrainer(_policy(), args=_args(tmp_path), train_dataset=data)
+
+
+def test_too_few_examples_per_step_for_the_kl_estimate(tmp_path, zen):
+    with pytest.raises(ValueError, match=r"per_device_train_batch_size=1.*at least 2|at least 2.*per_device_train_batch_size=1"):
+        KTOTrainer(_policy(), args=_args(tmp_path, per_device_train_batch_size=1), train_dataset=zen)
+    # No KL term, no constraint.
+    KTOTrainer(_policy(), args=_args(tmp_path, per_device_train_batch_size=1, loss_type="apo_zero_unpaired"),
+               train_dataset=zen)
+
+
+def test_options_checked_at_parse_time(tmp_path):
+    with pytest.raises(ValueError, match="loss_type"):
+        KTOConfig(output_dir=str(tmp_path), loss_type="sigmoid")
+    with pytest.raises(ValueError, match="beta"):
+        KTOConfig(output_dir=str(tmp_path), beta=0.0)
+    with pytest.raises(ValueError, match="undesirable_weight"):
+        KTOConfig(output_dir=str(tmp_path), undesirable_weight=-1.0)
+
+
+def test_unbalanced_weights_warn_with_the_ranges(tmp_path, zen, caplog):
+    unbalanced = zen.filter(lambda row, i: row["label"] or i < 4, with_indices=True)  # 12 desirable, 2 undesirable
+    with caplog.at_level(logging.WARNING):
+        KTOTrainer(_policy(), args=_args(tmp_path), train_dataset=unbalanced)
+    assert "EITHER desirable_weight in [0.167, 0.222] OR undesirable_weight in [4.5, 6]" in caplog.text
+
+
+def test_cli_demo_defaults(tmp_path):
+    from fusedalign.cli import parse
+    from fusedalign.configs import ModelArguments, ScriptArguments
+
+    script, args, model = parse("kto", (ScriptArguments, KTOConfig, ModelArguments), ["--output_dir", str(tmp_path)])
+    assert (model.model_name_or_path, script.dataset_name, script.dataset_config) == (
+        "builtin:tiny-qwen2", "builtin:zen", "standard_unpaired_preference")
+    assert args.eval_strategy == "epoch" and args.loss_type == "kto"
