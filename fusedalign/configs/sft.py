@@ -36,6 +36,12 @@ class SFTConfig(FusedAlignConfig):
         metadata={"help": "Concatenate each batch into one row with position_ids and no padding (implied by --packing)."},
     )
 
+    disable_dropout: bool = field(
+        default=False,
+        metadata={"help": "SFT keeps the model's dropout and --lora_dropout, as TRL's SFT does; "
+                  "True sets every dropout probability to 0."},
+    )
+
     def __post_init__(self):
         super().__post_init__()
         if self.truncation_mode not in ("keep_end", "keep_start"):
