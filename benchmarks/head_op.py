@@ -47,7 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5, help="timed runs per method (median)")
     p.add_argument("--backends", nargs="+", default=None,
                    help=f"any of {[b for b in known_backends() if b != 'auto']} + {list(PEERS)}"
-                        "; default: all")
+                        "; ours take an optional memory budget in MiB, e.g. triton@64; "
+                        "default: all")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     defaults = GPU_DEFAULTS if args.device.startswith("cuda") else CPU_DEFAULTS
@@ -64,9 +65,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 # --------------------------------------------------------------------------- methods
 
 
-def ours(backend: str) -> Callable:
+def ours(backend: str, budget_bytes: int | None = None) -> Callable:
     def run(hidden, weight, labels):
-        return head_logprobs(hidden, weight, labels, backend=backend).logps
+        return head_logprobs(hidden, weight, labels, backend=backend,
+                             memory_budget_bytes=budget_bytes).logps
     return run
 
 
@@ -97,8 +99,14 @@ def method(name: str, device: torch.device) -> tuple[str, Callable]:
         return "Liger fused linear CE", liger()
     if name == "cce":
         return "Cut Cross-Entropy", cce()
+    # "triton@64": our backend with memory_budget_bytes = 64 MiB (one fp32 logits chunk).
+    name, _, mib = name.partition("@")
+    budget = int(float(mib) * 2**20) if mib else None
     label = resolve_backend(name, device).name  # raises if unknown or unavailable here
-    return f"fusedalign {label}" + (" (unfused)" if name == "reference" else ""), ours(name)
+    label = f"fusedalign {label}" + (" (unfused)" if name == "reference" else "")
+    if budget is not None:
+        label += f" (budget {mib} MiB)"
+    return label, ours(name, budget)
 
 
 # --------------------------------------------------------------------------- measuring

@@ -66,7 +66,7 @@ class _TritonHeadLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, bias, down, up, opts: HeadOptions):
-        with torch.autocast("cuda", enabled=False), _on(hidden):
+        with torch.autocast(hidden.device.type, enabled=False), _on(hidden):
             logps, entropy, mean, match, lse = _forward(hidden, weight, labels, bias, down, up, opts)
         ctx.save_for_backward(hidden, weight, labels, bias, down, up, lse)
         ctx.opts = opts
@@ -78,7 +78,7 @@ class _TritonHeadLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logps, _grad_entropy, _grad_mean, _grad_argmax):
         hidden, weight, labels, bias, down, up, lse = ctx.saved_tensors
         needs = ctx.needs_input_grad  # (hidden, weight, labels, bias, down, up, opts)
-        with torch.autocast("cuda", enabled=False), _on(hidden):
+        with torch.autocast(hidden.device.type, enabled=False), _on(hidden):
             g_h, g_w, g_b, g_down, g_up = _backward(
                 grad_logps, hidden, weight, labels, bias, down, up, lse, ctx.opts,
                 need=(needs[0], needs[1], needs[3], needs[4], needs[5]),
