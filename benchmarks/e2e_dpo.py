@@ -1,0 +1,785 @@
+"""End-to-end DPO on one GPU: fusedalign against TRL, side by side in one run.
+
+Trains, on the same model (a Qwen2.5-0.5B-shaped random init, bf16, saved once and
+loaded by path) and the same synthetic preference data, each of:
+
+    ours_fused     fusedalign.DPOTrainer, fused head (the default)
+    ours_unfused   fusedalign.DPOTrainer, fused_head=False (full logits)
+    trl            trl.DPOTrainer                           (when `import trl` works)
+    trl_liger      trl.DPOTrainer, use_liger_kernel=True    (and liger_kernel imports)
+
+each in its own subprocess (`--worker CONFIG`), so memory peaks, compilation caches and
+allocator state never leak from one run into the next. Per length it prints a markdown
+table: steady tokens/s, the whole train() tokens/s, peak GPU memory, the first losses,
+and speed and memory relative to TRL + Liger; then checks that ours fused, ours unfused
+and TRL agree on the first steps (else prints COMPARISON VOID).
+
+What is measured
+- tokens per optimizer step = every token in the step's input_ids: 8 pairs x (prompt +
+  chosen) + (prompt + rejected) = 16 x max_length (no padding: every sequence is at
+  max_length exactly).
+- step time: between on_step_begin and on_step_end of a TrainerCallback, each after
+  torch.cuda.synchronize(); the median over the steps after warm-up. ("tok/s loop" uses
+  the time between successive on_step_end instead, which adds data loading and logging.)
+- with --precompute_ref_log_probs, the reference pass is work the run does, so its time
+  (timed around the trainers' own precompute method, each after a synchronize) is added
+  to the run, amortised over the max_steps it serves: tok/s = tokens per step /
+  (median step + precompute / max_steps). "tok/s train()" is max_steps x tokens per step
+  over the wall time of train() (plus TRL's precompute, which TRL runs in __init__).
+- peak GiB: torch.cuda.max_memory_allocated(), reset just before train().
+- first losses (and logps/chosen, logps/rejected) as each trainer logs them
+  (logging_steps=1).
+
+How the data reach each trainer (both bypass their text tokenisation, documented here):
+rows are random token ids (prompt from the whole vocabulary; chosen from its lower half,
+rejected from its upper half, so that a preference exists to learn). Neither trainer
+accepts pre-tokenised rows through its constructor (fusedalign's prepare_dpo_dataset
+validates text columns; TRL 1.16's _prepare_dataset tokenises text unconditionally), so:
+- ours: the trainer is built with train_dataset=None and `trainer.train_dataset` is then
+  set to the tokenised Dataset (prompt_ids, chosen_ids, rejected_ids) plus the row `index`
+  column that DPOTrainer's tokenisation would have added (precomputed reference
+  log-probs are looked up by it);
+- TRL: a subclass whose `_prepare_dataset` returns the already tokenised Dataset as is
+  (the same three columns, which TRL's own collator consumes).
+Both use train_sampling_strategy="sequential", so both see the same rows in the same
+order, and max_length equal to the sequence length, so nothing is truncated.
+
+Note on TRL 1.16: its DPOTrainer always scores through its own chunked fused LM head
+(`add_fused_lm_head`, a Triton kernel on GPU that scores only completion positions);
+`use_liger_kernel=True` adds Liger's RMSNorm/SwiGLU/RoPE kernels (its fused linear
+cross-entropy is refused by TRL). So "trl" is not a logits-materialising baseline.
+
+Examples:
+    python benchmarks/e2e_dpo.py                                   # GPU, lengths 2048 4096
+    python benchmarks/e2e_dpo.py --lengths 2048 --precompute_ref_log_probs
+    python benchmarks/e2e_dpo.py --per_device_train_batch_size 4   # 4 x GA 2 = 8 pairs
+    python benchmarks/e2e_dpo.py --max_length_search --configs ours_fused trl_liger
+    python benchmarks/e2e_dpo.py --device cpu --tiny               # smoke test, < 1 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # this working tree's fusedalign, however it is installed
+
+CONFIGS = ("ours_fused", "ours_unfused", "trl", "trl_liger")
+CHECKED = ("ours_fused", "ours_unfused", "trl")  # must agree on the first steps
+SEARCH_CONFIGS = ("ours_fused", "trl_liger")
+LN2 = math.log(2.0)
+
+# Qwen2.5-0.5B's shape; --tiny shrinks it for a CPU smoke test.
+QWEN05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+               intermediate_size=4864, vocab_size=151936, rope_theta=1_000_000.0, rms_norm_eps=1e-6)
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=128, vocab_size=512, rope_theta=10_000.0, rms_norm_eps=1e-6)
+
+
+def log(*a) -> None:
+    print(*a, flush=True)
+
+
+# ---------------------------------------------------------------------------- arguments
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda if present")
+    p.add_argument("--tiny", action="store_true", help="a tiny model and short sequences (CPU smoke test)")
+    p.add_argument("--lengths", type=int, nargs="+", default=None,
+                   help="sequence lengths (= max_length); default 2048 4096 (--tiny: 64)")
+    p.add_argument("--prompt_length", type=int, default=None, help="default 256 (--tiny: 16)")
+    p.add_argument("--pairs", type=int, default=8, help="preference pairs per optimizer step")
+    p.add_argument("--per_device_train_batch_size", type=int, default=8,
+                   help="pairs per micro-batch; gradient accumulation = pairs / this")
+    p.add_argument("--warmup_steps", type=int, default=None, help="untimed steps first (>= 1); default 3 (--tiny: 1)")
+    p.add_argument("--timed_steps", type=int, default=None, help="default 8 (--tiny: 2)")
+    p.add_argument("--gradient_checkpointing", action="store_true")
+    p.add_argument("--precompute_ref_log_probs", action="store_true",
+                   help="every trainer precomputes reference log-probs; their time counts")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default=None,
+                   help="weights and autocast; default bf16 (--device cpu --tiny: fp32, as CPU bf16 is slow)")
+    p.add_argument("--learning_rate", type=float, default=1e-6)
+    p.add_argument("--beta", type=float, default=0.1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--configs", nargs="+", choices=CONFIGS, default=None,
+                   help=f"default: all of {CONFIGS} (search: {SEARCH_CONFIGS})")
+    p.add_argument("--loss_atol", type=float, default=2e-2,
+                   help="first losses must agree to this (absolute)")
+    p.add_argument("--logps_atol", type=float, default=None,
+                   help="step-1 logps/chosen and logps/rejected (mean over pairs of a sequence's summed "
+                        "log-prob) must agree to this, in nats; default 2.0 (--tiny: 0.5)")
+    p.add_argument("--max_length_search", action="store_true",
+                   help="with gradient checkpointing, the longest length that fits at --pairs pairs")
+    p.add_argument("--search_step", type=int, default=None, help="default 1024 (--tiny: 64)")
+    p.add_argument("--search_min", type=int, default=0,
+                   help="a length known to fit, not probed (skips probes below it); default: none")
+    p.add_argument("--search_max", type=int, default=None, help="default 32768 (--tiny: 256)")
+    p.add_argument("--gpu", type=int, default=0, help="which visible GPU the runs use (one at a time)")
+    p.add_argument("--worker_timeout", type=int, default=1200, help="seconds per subprocess")
+    p.add_argument("--log_dir", default=None, help="worker logs (default: a temporary folder, kept)")
+    p.add_argument("--json_out", default=None, help="all results as JSON (default: <log_dir>/results.json)")
+    p.add_argument("--model_dir", default=None,
+                   help="reuse a model saved by an earlier run (else one is built and deleted at the end)")
+    # Internal: one run in this process.
+    p.add_argument("--worker", choices=CONFIGS, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    # Testing the OOM handling and the search without a GPU: workers above this length fail as OOM.
+    p.add_argument("--fake_oom_above", type=int, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    tiny = args.tiny
+    defaults = dict(lengths=[64] if tiny else [2048, 4096], prompt_length=16 if tiny else 256,
+                    warmup_steps=1 if tiny else 3, timed_steps=2 if tiny else 8,
+                    logps_atol=0.5 if tiny else 2.0, search_step=64 if tiny else 1024,
+                    search_max=256 if tiny else 32768)
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.dtype is None:
+        args.dtype = "fp32" if (tiny and args.device == "cpu") else "bf16"
+    if args.pairs % args.per_device_train_batch_size:
+        p.error(f"--pairs {args.pairs} is not a multiple of --per_device_train_batch_size "
+                f"{args.per_device_train_batch_size}")
+    if args.warmup_steps < 1 or args.timed_steps < 1:
+        p.error("need --warmup_steps >= 1 (the first step holds start-up costs) and --timed_steps >= 1")
+    if args.max_length_search:
+        args.gradient_checkpointing = True
+    for length in args.lengths:
+        if length <= args.prompt_length:
+            p.error(f"length {length} leaves no completion after a {args.prompt_length}-token prompt")
+    return args
+
+
+def worker_argv(args: argparse.Namespace, config: str, length: int, result: str, *,
+                warmup: int | None = None, timed: int | None = None) -> list[str]:
+    argv = [sys.executable, "-u", os.path.abspath(__file__), "--worker", config, "--result", result,
+            "--device", args.device, "--lengths", str(length), "--prompt_length", str(args.prompt_length),
+            "--pairs", str(args.pairs), "--per_device_train_batch_size", str(args.per_device_train_batch_size),
+            "--warmup_steps", str(args.warmup_steps if warmup is None else warmup),
+            "--timed_steps", str(args.timed_steps if timed is None else timed),
+            "--dtype", args.dtype, "--learning_rate", repr(args.learning_rate), "--beta", repr(args.beta),
+            "--seed", str(args.seed), "--model_dir", args.model_dir]
+    if args.fake_oom_above is not None:
+        argv += ["--fake_oom_above", str(args.fake_oom_above)]
+    for flag in ("tiny", "gradient_checkpointing", "precompute_ref_log_probs"):
+        if getattr(args, flag):
+            argv.append("--" + flag)
+    return argv
+
+
+# ------------------------------------------------------------------------- environment
+
+
+def one_gpu(index: int) -> str:
+    """CUDA_VISIBLE_DEVICES for a worker: one GPU (several would make Trainer use DataParallel)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible:
+        devices = [d.strip() for d in visible.split(",") if d.strip()]
+        return devices[index] if index < len(devices) else devices[0]
+    return str(index)
+
+
+def gpu_info(index: int) -> str:
+    """The GPU's name and memory, read in a subprocess so that this process never holds a CUDA context."""
+    code = ("import torch; p = torch.cuda.get_device_properties(0); "
+            "print(f'{p.name}, {p.total_memory / 2**30:.0f} GiB, CUDA {torch.version.cuda}')")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=one_gpu(index))
+    try:
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        return out.stdout.strip() or f"(unknown: {out.stderr.strip().splitlines()[-1:]})"
+    except Exception as e:  # noqa: BLE001
+        return f"(unknown: {e})"
+
+
+def versions() -> dict[str, str | None]:
+    from importlib import metadata
+
+    out = {}
+    for name in ("torch", "transformers", "accelerate", "datasets", "trl", "liger-kernel", "triton"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def availability(device: str) -> dict[str, str | None]:
+    """Why each configuration cannot run here (None: it can)."""
+    reasons: dict[str, str | None] = {c: None for c in CONFIGS}
+    try:
+        import trl
+
+        missing = [m for m in ("_prepare_dataset", "_precompute_ref_logps") if not hasattr(trl.DPOTrainer, m)]
+        if missing:
+            reasons["trl"] = (f"trl {trl.__version__}'s DPOTrainer lacks {missing}, which this benchmark "
+                              "overrides to feed token ids (written against trl 1.16)")
+    except Exception as e:  # noqa: BLE001 - any import failure is a reason to skip
+        reasons["trl"] = f"`import trl` failed: {type(e).__name__}: {e}"
+    reasons["trl_liger"] = reasons["trl"]
+    if reasons["trl_liger"] is None:
+        if device != "cuda":
+            reasons["trl_liger"] = "Liger's kernels are Triton kernels: they need a GPU"
+        else:
+            try:
+                import liger_kernel  # noqa: F401
+                from liger_kernel.transformers import _apply_liger_kernel_to_instance  # noqa: F401
+            except Exception as e:  # noqa: BLE001
+                reasons["trl_liger"] = f"`import liger_kernel` failed: {type(e).__name__}: {e}"
+    return reasons
+
+
+def model_config(args: argparse.Namespace):
+    from transformers import Qwen2Config
+
+    shape = TINY if args.tiny else QWEN05B
+    longest = max(max(args.lengths), args.search_max if args.max_length_search else 0, 4096)
+    return Qwen2Config(
+        **shape, tie_word_embeddings=True, max_position_embeddings=max(32768, longest),
+        hidden_act="silu", attention_dropout=0.0, use_sliding_window=False, use_cache=False,
+        pad_token_id=0, bos_token_id=None, eos_token_id=0,
+    )
+
+
+def build_model(args: argparse.Namespace, path: str) -> None:
+    """The random model every run starts from: seeded, bf16, saved once."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from fusedalign.models import load_tokenizer
+
+    torch.manual_seed(args.seed)
+    model = AutoModelForCausalLM.from_config(model_config(args), dtype=torch.float32)
+    model.to(torch.bfloat16 if args.dtype == "bf16" else torch.float32)
+    model.save_pretrained(path)
+    load_tokenizer("builtin:tiny-qwen2").save_pretrained(path)
+    n = sum(p.numel() for p in model.parameters())
+    log(f"model: {type(model).__name__} {n / 1e6:.1f}M parameters, {args.dtype}, saved to {path}")
+
+
+# ------------------------------------------------------------------------------ worker
+
+
+def synthetic_rows(args: argparse.Namespace, length: int, vocab: int) -> dict[str, list]:
+    """(warmup + timed) x pairs rows of token ids, the same for every configuration.
+
+    Prompt ids come from the whole vocabulary, chosen ids from its lower half and rejected
+    ids from its upper half (id 0, the pad/eos token, is never drawn).
+    """
+    import numpy as np
+
+    rows = (args.warmup_steps + args.timed_steps) * args.pairs
+    rng = np.random.default_rng([args.seed, length])
+    completion = length - args.prompt_length
+    half = vocab // 2
+    prompt = rng.integers(1, vocab, size=(rows, args.prompt_length))
+    chosen = rng.integers(1, half, size=(rows, completion))
+    rejected = rng.integers(half, vocab, size=(rows, completion))
+    return {"prompt_ids": prompt.tolist(), "chosen_ids": chosen.tolist(), "rejected_ids": rejected.tolist()}
+
+
+def make_callback(sync):
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.begin: list[float] = []
+            self.end: list[float] = []
+            self.logs: list[dict] = []
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            sync()
+            self.begin.append(time.perf_counter())
+
+        def on_step_end(self, args, state, control, **kwargs):
+            sync()
+            self.end.append(time.perf_counter())
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                self.logs.append({"step": state.global_step, **{k: float(v) for k, v in logs.items()
+                                                                  if isinstance(v, (int, float))}})
+
+    return StepTimer()
+
+
+def common_training_args(args: argparse.Namespace, length: int, output_dir: str) -> dict:
+    return dict(
+        output_dir=output_dir, max_length=length, bf16=args.dtype == "bf16",
+        per_device_train_batch_size=args.per_device_train_batch_size,
+        per_device_eval_batch_size=args.per_device_train_batch_size,
+        gradient_accumulation_steps=args.pairs // args.per_device_train_batch_size,
+        gradient_checkpointing=args.gradient_checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False} if args.gradient_checkpointing else None,
+        precompute_ref_log_probs=args.precompute_ref_log_probs,
+        max_steps=args.warmup_steps + args.timed_steps, learning_rate=args.learning_rate,
+        beta=args.beta, loss_type=["sigmoid"], lr_scheduler_type="linear",
+        warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, seed=args.seed, data_seed=args.seed,
+        train_sampling_strategy="sequential", disable_dropout=True,
+        report_to="none", save_strategy="no", eval_strategy="no", logging_steps=1,
+        disable_tqdm=True, dataloader_num_workers=0, use_cpu=args.device == "cpu",
+    )
+
+
+def build_ours(args, config: str, length: int, output_dir: str, rows: dict, tokenizer, callback, timer):
+    from datasets import Dataset
+
+    from fusedalign.configs import DPOConfig
+    from fusedalign.trainers.dpo import DPOTrainer
+
+    class BenchDPOTrainer(DPOTrainer):
+        def _precompute(self, model, mode):
+            with timer("precompute"):
+                return super()._precompute(model, mode)
+
+    kwargs = common_training_args(args, length, output_dir)
+    if args.device == "cpu":
+        kwargs.pop("use_cpu")  # fusedalign switches to the CPU itself when there is no accelerator
+    training_args = DPOConfig(**kwargs, fused_head=config == "ours_fused", max_prompt_length=None)
+    trainer = BenchDPOTrainer(model=args.model_dir, args=training_args, train_dataset=None,
+                              processing_class=tokenizer, callbacks=[callback])
+    # prepare_dpo_dataset takes text only; these rows are already token ids (see the module doc).
+    dataset = Dataset.from_dict(rows)
+    trainer.train_dataset = dataset.add_column("index", list(range(len(dataset))))
+    return trainer
+
+
+def build_trl(args, config: str, length: int, output_dir: str, rows: dict, tokenizer, callback, timer):
+    import trl
+    from datasets import Dataset
+
+    class BenchTRLDPOTrainer(trl.DPOTrainer):
+        def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+            # TRL 1.16 tokenises text unconditionally; these rows are already token ids.
+            return dataset
+
+        def _precompute_ref_logps(self, dataset, name, batch_size):
+            with timer("precompute"):
+                return super()._precompute_ref_logps(dataset, name, batch_size)
+
+    kwargs = common_training_args(args, length, output_dir)
+    # As ours: load in the training dtype on the CPU, then the Trainer moves it.
+    kwargs["model_init_kwargs"] = {"dtype": "bfloat16" if args.dtype == "bf16" else "float32", "device_map": None}
+    kwargs["truncation_mode"] = "keep_start"
+    if config == "trl_liger":
+        kwargs["use_liger_kernel"] = True
+    training_args = trl.DPOConfig(**kwargs)
+    return BenchTRLDPOTrainer(model=args.model_dir, args=training_args, train_dataset=Dataset.from_dict(rows),
+                              processing_class=tokenizer, callbacks=[callback])
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    import contextlib
+
+    import torch
+
+    config, length = args.worker, args.lengths[0]
+    cuda = args.device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    result: dict = {"config": config, "length": length, "status": "error"}
+    timings: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def timer(name):
+        sync()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            sync()
+            timings[name] = timings.get(name, 0.0) + time.perf_counter() - t0
+
+    def write() -> None:
+        with open(args.result, "w") as f:
+            json.dump(result, f, indent=1)
+
+    def peak() -> float | None:
+        return torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+
+    try:
+        from transformers import set_seed
+
+        from fusedalign.models import load_tokenizer
+
+        set_seed(args.seed)
+        tokenizer = load_tokenizer("builtin:tiny-qwen2")
+        vocab = model_config(args).vocab_size
+        rows = synthetic_rows(args, length, vocab)
+        callback = make_callback(sync)
+        output_dir = os.path.join(os.path.dirname(os.path.abspath(args.result)), f"out-{config}-{length}")
+        build = build_ours if config.startswith("ours") else build_trl
+        with timer("init"):
+            trainer = build(args, config, length, output_dir, rows, tokenizer, callback, timer)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        with timer("train"):
+            if args.fake_oom_above is not None and length > args.fake_oom_above:
+                raise torch.cuda.OutOfMemoryError(f"fake OOM above {args.fake_oom_above} (--fake_oom_above)")
+            trainer.train()
+        steps = args.warmup_steps + args.timed_steps
+        tokens_per_step = 2 * args.pairs * length
+        if len(callback.begin) != steps or len(callback.end) != steps:
+            raise RuntimeError(f"expected {steps} steps, timed {len(callback.begin)} begins / {len(callback.end)} ends")
+        w = args.warmup_steps
+        step_times = [e - b for b, e in zip(callback.begin[w:], callback.end[w:])]
+        loop_times = [callback.end[i] - callback.end[i - 1] for i in range(w, steps)]
+        median = statistics.median(step_times)
+        precompute = timings.get("precompute", 0.0)
+        if args.precompute_ref_log_probs and precompute == 0.0:
+            raise RuntimeError("--precompute_ref_log_probs was given but no precompute pass was timed")
+        # TRL precomputes in __init__, ours inside train() (in its first step); count it once.
+        train_wall = timings["train"] + (precompute if config.startswith("trl") else 0.0)
+        result.update(
+            status="ok", steps=steps, tokens_per_step=tokens_per_step,
+            step_times=step_times, median_step_s=median,
+            tokens_per_s=tokens_per_step / (median + precompute / steps),
+            tokens_per_s_loop=tokens_per_step / (statistics.median(loop_times) + precompute / steps),
+            tokens_per_s_train=steps * tokens_per_step / train_wall,
+            precompute_s=precompute, train_s=timings["train"], init_s=timings["init"],
+            peak_gib=peak(), reserved_gib=torch.cuda.max_memory_reserved() / 2**30 if cuda else None,
+            logs=callback.logs,
+        )
+    except torch.cuda.OutOfMemoryError as e:
+        result.update(status="OOM", peak_gib=peak(), error=(str(e).splitlines() or ["OutOfMemoryError"])[0][:300])
+        traceback.print_exc()
+    except Exception as e:  # noqa: BLE001 - reported in the table, with the log's path
+        oom = "out of memory" in str(e).lower()
+        result.update(status="OOM" if oom else "error", peak_gib=peak(),
+                      error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300])
+        traceback.print_exc()
+    write()
+    log(json.dumps({k: v for k, v in result.items() if k not in ("logs", "step_times")}))
+    return 0 if result["status"] in ("ok", "OOM") else 1
+
+
+# ------------------------------------------------------------------------------ parent
+
+
+def launch(args: argparse.Namespace, config: str, length: int, tag: str, **steps) -> dict:
+    result_path = os.path.join(args.log_dir, f"{tag}.json")
+    log_path = os.path.join(args.log_dir, f"{tag}.log")
+    if os.path.exists(result_path):
+        os.remove(result_path)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", TQDM_DISABLE="1",
+               HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_NO_ADVISORY_WARNINGS="1")
+    if args.device == "cuda":
+        env["CUDA_VISIBLE_DEVICES"] = one_gpu(args.gpu)
+    t0 = time.perf_counter()
+    with open(log_path, "w") as out:
+        try:
+            proc = subprocess.run(worker_argv(args, config, length, result_path, **steps), stdout=out,
+                                  stderr=subprocess.STDOUT, env=env, timeout=args.worker_timeout, cwd=REPO)
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    wall = time.perf_counter() - t0
+    if os.path.exists(result_path):
+        with open(result_path) as f:
+            result = json.load(f)
+    else:
+        text = Path(log_path).read_text(errors="replace")
+        oom = "OutOfMemoryError" in text or "out of memory" in text.lower()
+        result = {"config": config, "length": length, "status": "OOM" if oom else "error",
+                  "error": f"worker ended (rc={rc}) without a result"}
+    result.update(log=log_path, wall_s=wall)
+    if result["status"] == "error":
+        tail = Path(log_path).read_text(errors="replace").splitlines()[-25:]
+        log(f"  !! {config} at {length}: {result.get('error')} (rc={rc}); log {log_path}; its tail:")
+        for line in tail:
+            log("     | " + line)
+    return result
+
+
+def fmt(x, spec: str) -> str:
+    return "—" if x is None else format(x, spec)
+
+
+def first(result: dict, key: str, n: int = 3) -> list[float]:
+    return [entry[key] for entry in result.get("logs", [])[:n] if key in entry]
+
+
+def table(length: int, results: dict[str, dict], skipped: dict[str, str | None], args) -> str:
+    base_name = next((c for c in ("trl_liger", "trl") if results.get(c, {}).get("status") == "ok"), None)
+    base = results.get(base_name) if base_name else None
+    label = {"trl_liger": "TRL+Liger", "trl": "TRL"}.get(base_name, "TRL+Liger")
+    lines = [
+        f"### length {length} ({args.pairs} pairs/step = {2 * args.pairs * length} tokens, "
+        f"micro-batch {args.per_device_train_batch_size} x GA {args.pairs // args.per_device_train_batch_size}"
+        f"{', gradient checkpointing' if args.gradient_checkpointing else ''}"
+        f"{', precomputed reference' if args.precompute_ref_log_probs else ''})",
+        "",
+        f"| config | tok/s | tok/s loop | tok/s train() | peak GiB | first losses | speed vs {label} "
+        f"| memory vs {label} |",
+        "|---|---:|---:|---:|---:|---|---:|---:|",
+    ]
+    for config in CONFIGS:
+        if config not in results:
+            if config in args.configs:
+                lines.append(f"| {config} | skipped: {skipped.get(config)} | | | | | | |")
+            continue
+        r = results[config]
+        if r["status"] != "ok":
+            what = "OOM" if r["status"] == "OOM" else f"error ({r.get('error', '')[:80]})"
+            lines.append(f"| {config} | {what} | | | {fmt(r.get('peak_gib'), '.1f')} | | | |")
+            continue
+        losses = ", ".join(f"{x:.4f}" for x in first(r, "loss"))
+        speed = memory = "—"
+        if base is not None:
+            speed = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x"
+            if r.get("peak_gib") and base.get("peak_gib"):
+                memory = f"{r['peak_gib'] / base['peak_gib']:.2f}x"
+        lines.append(f"| {config} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s_loop']:,.0f} | "
+                     f"{r['tokens_per_s_train']:,.0f} | {fmt(r.get('peak_gib'), '.1f')} | {losses} | {speed} | {memory} |")
+    return "\n".join(lines)
+
+
+def check_agreement(length: int, results: dict[str, dict], args) -> str:
+    """Ours fused, ours unfused and TRL must agree on the first steps.
+
+    Returns "agree", "void" (they ran and disagree) or "incomplete" (fewer than two ran).
+    When TRL (unfused) did not run, TRL + Liger stands in for it, said so.
+
+    Tolerances (bf16):
+    - loss, absolute (default 2e-2): every run starts at exactly ln 2 (policy == reference),
+      and the later losses depend on the gradients of the first steps. Each trainer's logps
+      are sums over ~1.8k tokens of per-token values computed from bf16 logits (relative
+      rounding 2^-9), whose errors mostly cancel between policy and reference (same code,
+      nearly the same weights); beta = 0.1 scales the remainder, so implementations agree
+      to ~1e-3 on the loss. 2e-2 leaves a margin of ~10x, and is still small against the
+      losses' departure from ln 2 when the updates are large enough to move them.
+    - logps/chosen and logps/rejected at step 1, absolute (default 2.0 nats): the mean over
+      pairs of a sequence's summed log-prob (~ -L ln V). Rounding of bf16 logits gives
+      ~1e-3 per token, ~0.05 on a 1.8k-token sum; a different row or a different model
+      changes each per-token log-prob by ~0.5 (the random model's logits have std ~0.6),
+      tens of nats on the mean. So this catches trainers fed different tokens or models,
+      which the loss alone cannot at step 1.
+    """
+    ran = lambda c: results.get(c, {}).get("status") == "ok"  # noqa: E731
+    present = [c for c in CHECKED if ran(c)]
+    stand_in = None
+    if not ran("trl") and ran("trl_liger"):
+        stand_in = "trl_liger"
+        present.append(stand_in)
+    log(f"\nAgreement at length {length} ({', '.join(present) or 'no runs'}; loss within "
+        f"{args.loss_atol:g}, step-1 logps within {args.logps_atol:g} nats):")
+    if stand_in:
+        log("  (trl did not run: trl_liger stands in for it; Liger's layer kernels add their own rounding)")
+    missing = [c for c in CHECKED if c in args.configs and not ran(c)]
+    if len(present) < 2:
+        log("  COMPARISON INCOMPLETE: fewer than two of the checked trainers ran"
+            + (f" (did not run: {missing})" if missing else ""))
+        return "incomplete"
+    ok = True
+    for key, atol, n in (("loss", args.loss_atol, 3), ("logps/chosen", args.logps_atol, 1),
+                         ("logps/rejected", args.logps_atol, 1)):
+        series = {c: first(results[c], key, n) for c in present}
+        for c in present:
+            log(f"  {key:15s} {c:13s} " + ", ".join(f"{x:.4f}" for x in series[c]))
+        ref = series[present[0]]
+        for c in present[1:]:
+            if len(series[c]) != len(ref) or not ref:
+                log(f"  !! {key}: {c} logged {len(series[c])} values, {present[0]} {len(ref)}")
+                ok = False
+                continue
+            worst = max(abs(a - b) for a, b in zip(series[c], ref))
+            if worst > atol:
+                log(f"  !! {key}: {c} differs from {present[0]} by {worst:.4g} > {atol:g}")
+                ok = False
+    # TRL + Liger runs other backbone kernels: shown, not required to match.
+    liger = results.get("trl_liger", {})
+    if liger.get("status") == "ok" and not stand_in:
+        for key in ("loss", "logps/chosen", "logps/rejected"):
+            d = max((abs(a - b) for a, b in zip(first(liger, key), first(results[present[0]], key))), default=0.0)
+            log(f"  (trl_liger's first {key} differ from {present[0]}'s by at most {d:.4g}; not part of the check)")
+    moved = max((abs(x - LN2) for c in present for x in first(results[c], "loss")), default=0.0)
+    if moved < 5 * args.loss_atol:
+        log(f"  note: the first losses move at most {moved:.2g} from ln 2, so the loss check is weak here "
+            f"(the weights hardly change in a few steps at lr {args.learning_rate:g}, less so in bf16); "
+            "the step-1 logps check carries it.")
+    if not ok:
+        log("\n" + "!" * 78 + f"\n!!  COMPARISON VOID at length {length}: the trainers do not compute the same "
+            "loss on the same tokens\n" + "!" * 78)
+        return "void"
+    if missing:
+        log(f"  agree, but incomplete: {missing} did not run")
+        return "incomplete"
+    log("  agree")
+    return "agree"
+
+
+def targets(length: int, results: dict[str, dict]) -> None:
+    ours, base = results.get("ours_fused", {}), results.get("trl_liger", {})
+    if ours.get("status") != "ok" or base.get("status") != "ok":
+        return
+    speed = ours["tokens_per_s"] / base["tokens_per_s"]
+    line = f"Targets at {length} (issue 6): speed {speed:.2f}x TRL+Liger (>= 1.3: {'met' if speed >= 1.3 else 'NOT met'})"
+    if ours.get("peak_gib") and base.get("peak_gib"):
+        mem = ours["peak_gib"] / base["peak_gib"]
+        line += f"; memory {mem:.2f}x (<= 0.8: {'met' if mem <= 0.8 else 'NOT met'})"
+    log(line)
+
+
+def benchmark(args, skipped) -> dict:
+    all_results: dict = {}
+    void, incomplete = [], []
+    for length in args.lengths:
+        log(f"\n== length {length} ==")
+        results = {}
+        for config in args.configs:
+            if skipped[config]:
+                log(f"  {config}: skipped: {skipped[config]}")
+                continue
+            log(f"  {config}: running ...")
+            r = launch(args, config, length, f"{config}-{length}")
+            results[config] = r
+            if r["status"] == "ok":
+                log(f"  {config}: {r['tokens_per_s']:,.0f} tok/s, peak {fmt(r.get('peak_gib'), '.2f')} GiB, "
+                    f"losses {', '.join(f'{x:.4f}' for x in first(r, 'loss'))} ({r['wall_s']:.0f} s)")
+            else:
+                log(f"  {config}: {r['status']} ({r.get('error', '')[:200]})")
+        log("\n" + table(length, results, skipped, args) + "\n")
+        verdict = check_agreement(length, results, args)
+        if verdict == "void":
+            void.append(length)
+        elif verdict == "incomplete":
+            incomplete.append(length)
+        targets(length, results)
+        all_results[str(length)] = results
+    if void:
+        log("\n" + "!" * 78 + f"\n!!  COMPARISON VOID at length(s) {void}: see above\n" + "!" * 78)
+    if incomplete:
+        log(f"\nComparison incomplete at length(s) {incomplete}: a checked trainer did not run (see above).")
+    return all_results
+
+
+def search(args, skipped) -> dict:
+    """Binary search over multiples of search_step for the longest length that fits (2 steps)."""
+    out = {}
+    for config in args.configs:
+        if skipped[config]:
+            log(f"\n{config}: skipped: {skipped[config]}")
+            out[config] = {"status": "skipped", "reason": skipped[config]}
+            continue
+        step = args.search_step
+        lo = args.search_min // step  # the largest multiple of step known to fit (0: none)
+        hi = args.search_max // step + 1  # known not to fit (one past the range)
+        probes = []
+        log(f"\n{config}: searching {max(lo, 1) * step}..{args.search_max} in steps of {step} "
+            f"({args.pairs} pairs, micro-batch {args.per_device_train_batch_size}, gradient checkpointing)")
+        error = None
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            length = mid * step
+            if length <= args.prompt_length:
+                lo = mid
+                continue
+            r = launch(args, config, length, f"search-{config}-{length}", warmup=1, timed=1)
+            probes.append({"length": length, "status": r["status"], "peak_gib": r.get("peak_gib"),
+                           "tokens_per_s": r.get("tokens_per_s")})
+            log(f"  {length}: {r['status']}" + (f", peak {fmt(r.get('peak_gib'), '.1f')} GiB" if r.get("peak_gib") else ""))
+            if r["status"] == "ok":
+                lo = mid
+            elif r["status"] == "OOM":
+                hi = mid
+            else:
+                error = r.get("error")
+                break
+        if error:
+            out[config] = {"status": "error", "error": error, "probes": probes}
+            log(f"  {config}: search stopped by an error: {error}")
+            continue
+        longest = lo * step if lo > 0 else None
+        capped = hi > args.search_max // step
+        out[config] = {"status": "ok", "longest": longest, "capped": capped, "probes": probes}
+        log(f"  {config}: longest that fits: "
+            + ("none" if longest is None else f"{'>= ' if capped else ''}{longest}"))
+    log("\n| config | longest length at %d pairs (gradient checkpointing) |\n|---|---|" % args.pairs)
+    for config, r in out.items():
+        if r["status"] == "ok":
+            value = "none" if r["longest"] is None else f"{'>= ' if r['capped'] else ''}{r['longest']}"
+        else:
+            value = r["status"] + (f": {r.get('reason') or r.get('error')}")
+        log(f"| {config} | {value} |")
+    return out
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return run_worker(args)
+
+    import torch
+
+    v = versions()
+    log("versions: " + ", ".join(f"{k} {v[k] or '(not installed)'}" for k in v) + f"; python {sys.version.split()[0]}")
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            log("error: --device cuda but torch.cuda.is_available() is False (use --device cpu --tiny)")
+            return 2
+        log(f"device: {gpu_info(args.gpu)} (CUDA_VISIBLE_DEVICES for the runs: {one_gpu(args.gpu)})")
+    else:
+        log("device: cpu" + ("" if args.tiny else " (without --tiny this will be very slow)"))
+    skipped = availability(args.device)
+    if args.configs is None:
+        args.configs = list(SEARCH_CONFIGS if args.max_length_search else CONFIGS)
+        if args.max_length_search and skipped["trl_liger"] and not skipped["trl"]:
+            log(f"trl_liger cannot run ({skipped['trl_liger']}); the search uses trl instead")
+            args.configs = ["ours_fused", "trl"]
+    for config in args.configs:
+        if skipped[config]:
+            log(f"{config}: will be skipped: {skipped[config]}")
+
+    args.log_dir = os.path.abspath(args.log_dir or tempfile.mkdtemp(prefix="e2e_dpo-"))
+    os.makedirs(args.log_dir, exist_ok=True)
+    log(f"worker logs: {args.log_dir}")
+    own_model = args.model_dir is None
+    if own_model:
+        args.model_dir = tempfile.mkdtemp(prefix="e2e_dpo-model-")
+        t0 = time.perf_counter()
+        build_model(args, args.model_dir)
+        log(f"(built in {time.perf_counter() - t0:.0f} s)")
+    else:
+        args.model_dir = os.path.abspath(args.model_dir)
+        log(f"model: reusing {args.model_dir}")
+    log(f"settings: lengths {args.lengths}, prompt {args.prompt_length}, {args.pairs} pairs/step "
+        f"(micro-batch {args.per_device_train_batch_size}), steps {args.warmup_steps} warm-up + "
+        f"{args.timed_steps} timed, lr {args.learning_rate:g}, beta {args.beta:g}, sigmoid loss, {args.dtype}, "
+        f"gradient checkpointing {'on' if args.gradient_checkpointing else 'off'}, precomputed reference "
+        f"{'on' if args.precompute_ref_log_probs else 'off'}, seed {args.seed}")
+
+    try:
+        if args.max_length_search:
+            results = {"max_length_search": search(args, skipped)}
+        else:
+            results = benchmark(args, skipped)
+    finally:
+        if own_model:
+            shutil.rmtree(args.model_dir, ignore_errors=True)
+    json_out = args.json_out or os.path.join(args.log_dir, "results.json")
+    with open(json_out, "w") as f:
+        json.dump({"versions": v, "argv": sys.argv, "settings": {k: getattr(args, k) for k in vars(args)},
+                   "skipped": skipped, "results": results}, f, indent=1, default=str)
+    log(f"\nresults: {json_out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
