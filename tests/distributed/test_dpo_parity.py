@@ -9,13 +9,11 @@ single-process unfused baseline to 1e-5 relative.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.distributed.parity import BACKENDS, ROOT, assert_same_training, assert_weights_changed, run_scenarios, weights
+from tests.distributed.parity import BACKENDS, ROOT, assert_same_training, assert_weights_changed, lazy_runs, weights
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -54,18 +52,7 @@ CASES = [(backend, spec["name"], want) for backend in BACKENDS for spec, want in
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Launches lazily: the baseline once, each backend once, on first use."""
-    root = tmp_path_factory.mktemp("dpo_parity")
-    done: dict[str | None, Path] = {}
-
-    def get(backend: str | None) -> Path:
-        if backend not in done:
-            out = root / (backend or "single")
-            specs = BASELINE if backend is None else [spec for spec, _ in SCENARIOS[backend]]
-            run_scenarios(specs, out, backend)
-            done[backend] = out
-        return done[backend]
-
-    return get
+    return lazy_runs(tmp_path_factory.mktemp("dpo_parity"), BASELINE, SCENARIOS)
 
 
 def test_baseline_trains_and_fused_equals_unfused_in_one_process(runs):
