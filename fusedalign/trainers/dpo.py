@@ -104,10 +104,27 @@ class DPOTrainer(FusedAlignTrainer):
         if self.args.precompute_ref_log_probs:
             cache = self._precomputed[mode]
             if not cache.ready:
-                self._precompute(model, mode)
+                self._precompute_all(model)
             values = cache.lookup(inputs["index"])  # [B, 2]: chosen, rejected
             return torch.cat([values[:, 0], values[:, 1]]).to(labels.device)
         return self.reference.run(model, lambda m: self._sequence_logps(m, inputs, labels))
+
+    def _precompute_all(self, model: nn.Module) -> None:
+        """One reference pass over every split, then the reference model is let go.
+
+        Holding a frozen model only to look values up would cost its whole memory for
+        the rest of training, so once both splits are cached it is released.
+        """
+        for mode, dataset in (("train", self.train_dataset), ("eval", self.eval_dataset)):
+            if dataset is not None and not self._precomputed[mode].ready:
+                self._precompute(model, mode)
+        if self.ref_model is not None:
+            self.ref_model = self.reference.model = None
+            import gc
+
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
 
     def _precompute(self, model: nn.Module, mode: str) -> None:
         dataset = self.train_dataset if mode == "train" else self.eval_dataset

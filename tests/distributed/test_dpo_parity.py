@@ -26,7 +26,7 @@ BASELINE = [
     {**DPO, "name": "lora", "fused": False, "per_device_batch": 4, "peft": True},
     {**DPO, "name": "qwen2_fused", "fused": True, "per_device_batch": 4, "evaluate": True},
     {**DPO, "name": "grad_accum", "fused": True, "per_device_batch": 2, "grad_accum": 2, "evaluate": True},
-    {**DPO, "name": "precompute", "fused": True, "per_device_batch": 4, "precompute": True},
+    {**DPO, "name": "precompute", "fused": True, "per_device_batch": 4, "precompute": True, "evaluate": True},
 ]
 
 # Per backend: (scenario spec, baseline it must equal). 2 processes x 2 pairs per step.
@@ -40,7 +40,7 @@ SCENARIOS: dict[str, list[tuple[dict, str]]] = {
     "zero3": _common + [
         ({**DPO, "name": "tied", "fused": True, "per_device_batch": 2, "model": "builtin:tiny-llama"}, "llama"),
         ({**DPO, "name": "lora", "fused": True, "per_device_batch": 2, "peft": True}, "lora"),
-        ({**DPO, "name": "precompute", "fused": True, "per_device_batch": 2, "precompute": True}, "qwen2"),
+        ({**DPO, "name": "precompute", "fused": True, "per_device_batch": 2, "precompute": True, "evaluate": True}, "qwen2"),
     ],
     "fsdp2": _common + [
         ({**DPO, "name": "tied", "fused": True, "per_device_batch": 2, "model": "builtin:tiny-llama"}, "llama"),
