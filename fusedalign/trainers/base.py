@@ -23,7 +23,7 @@ from transformers import Trainer, TrainerCallback
 
 from fusedalign.head import TokenLogProbs, token_logprobs
 
-Metrics = dict[str, tuple[torch.Tensor, torch.Tensor]]  # name -> (sum, count)
+Metrics = dict[str, tuple[torch.Tensor, torch.Tensor]]  # name -> (sum, count): scalars or per-example [B]
 
 
 class MetricsJSONLCallback(TrainerCallback):
@@ -116,13 +116,24 @@ class FusedAlignTrainer(Trainer):
     # ---------------------------------------------------------------- metrics
 
     def _record(self, mode: str, metrics: Metrics) -> None:
+        """Adds this micro-batch's metric sums and counts, over all ranks.
+
+        Values are scalars, or per-example tensors `[B]`. In evaluation, per-example
+        values are gathered with `gather_for_metrics`, which drops the rows accelerate
+        repeats to even out the last batch across ranks; scalars are summed over ranks.
+        """
         if not metrics:
             return
         names = sorted(metrics)
-        flat = torch.stack(
-            [torch.as_tensor(v, dtype=torch.float64, device=self.accelerator.device).reshape(()) for n in names for v in metrics[n]]
-        )
-        flat = self.accelerator.reduce(flat.detach(), reduction="sum").tolist()
+        device = self.accelerator.device
+        values = [torch.as_tensor(v, dtype=torch.float64, device=device).detach() for n in names for v in metrics[n]]
+        rows = {v.shape[0] for v in values if v.dim() == 1}
+        if mode == "eval" and len(rows) == 1 and all(v.dim() == 1 for v in values):
+            per_example = self.accelerator.gather_for_metrics(torch.stack(values, dim=-1))  # [rows, 2K]
+            flat = per_example.sum(0).tolist()
+        else:
+            flat = torch.stack([v.sum() for v in values])
+            flat = self.accelerator.reduce(flat, reduction="sum").tolist()
         for i, name in enumerate(names):
             acc = self._metric_sums[mode][name]
             acc[0] += flat[2 * i]

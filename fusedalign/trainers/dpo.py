@@ -174,17 +174,20 @@ class DPOTrainer(FusedAlignTrainer):
 
     @staticmethod
     def _metrics(result, seq, logit_mean, mask, valid) -> Metrics:
+        """Per-pair sums and counts ([B] each), so evaluation can drop padded duplicates."""
         half = seq.shape[0] // 2
-        pairs = valid.sum()
         chosen, rejected = result.chosen_rewards, result.rejected_rewards
-        tokens_c, tokens_r = mask[:half].sum(), mask[half:].sum()
+        tokens_c, tokens_r = mask[:half].sum(-1).double(), mask[half:].sum(-1).double()  # [B]
+        zeros = torch.zeros_like(tokens_c)
+        logits_c = (logit_mean[:half] * mask[:half]).sum(-1) if logit_mean is not None else zeros
+        logits_r = (logit_mean[half:] * mask[half:]).sum(-1) if logit_mean is not None else zeros
         return {
-            "rewards/chosen": ((chosen * valid).sum(), pairs),
-            "rewards/rejected": ((rejected * valid).sum(), pairs),
-            "rewards/accuracies": (((chosen > rejected).float() * valid).sum(), pairs),
-            "rewards/margins": (((chosen - rejected) * valid).sum(), pairs),
-            "logps/chosen": ((seq[:half] * valid).sum(), pairs),
-            "logps/rejected": ((seq[half:] * valid).sum(), pairs),
-            "logits/chosen": ((logit_mean[:half] * mask[:half]).sum() if logit_mean is not None else 0.0, tokens_c),
-            "logits/rejected": ((logit_mean[half:] * mask[half:]).sum() if logit_mean is not None else 0.0, tokens_r),
+            "rewards/chosen": (chosen * valid, valid),
+            "rewards/rejected": (rejected * valid, valid),
+            "rewards/accuracies": ((chosen > rejected).float() * valid, valid),
+            "rewards/margins": ((chosen - rejected) * valid, valid),
+            "logps/chosen": (seq[:half] * valid, valid),
+            "logps/rejected": (seq[half:] * valid, valid),
+            "logits/chosen": (logits_c, tokens_c),
+            "logits/rejected": (logits_r, tokens_r),
         }

@@ -31,7 +31,7 @@ def build_trainer(spec: dict, out_dir: str):
         per_device_train_batch_size=spec["per_device_batch"], per_device_eval_batch_size=spec["per_device_batch"],
         gradient_accumulation_steps=spec.get("grad_accum", 1), train_sampling_strategy="sequential",
         logging_steps=1, save_strategy="no", seed=0, data_seed=0, fused_head=spec["fused"], report_to="none",
-        dataloader_drop_last=True, max_length=spec.get("max_length", 64),
+        dataloader_drop_last=False, max_length=spec.get("max_length", 64),
     )
     peft_config = None
     if spec.get("peft"):
@@ -79,6 +79,8 @@ def build_trainer(spec: dict, out_dir: str):
         raise ValueError(f"unknown trainer {trainer_name}")
     train = load_dataset_any("builtin:zen", config, split="train")
     evaluate = load_dataset_any("builtin:zen", config, split="test") if spec.get("evaluate") else None
+    if evaluate is not None and spec.get("eval_rows"):
+        evaluate = evaluate.select(range(spec["eval_rows"]))
     model = load_model(spec.get("model", "builtin:tiny-qwen2"))
     if spec.get("peft") and spec.get("init_lora_weights") is False:
         pass  # random B: the adapter changes the output from the first step
