@@ -7,7 +7,7 @@ for all N tokens at once; the number of logits per chunk is the torch backend's
 
 Forward, per chunk: L = h W_c^T (cuBLAS) -> `fwd_chunk_kernel` reads L once and folds it
 into per-token running state (online max / sum-exp, label logit, entropy, sum, argmax).
-Saved for backward: the inputs and lse [N].
+Saved for backward: the inputs and the base-2 logsumexp [N].
 
 Backward, per chunk: recompute L (cuBLAS) -> `bwd_chunk_kernel` overwrites L with
 G = dlogp/dL * g (input dtype) -> grad_W[c] = G^T h and grad_up[c] = s G^T down are
@@ -25,6 +25,7 @@ fp32 inputs accumulate straight into the returned gradient).
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton  # noqa: F401  (ImportError here = backend unavailable, reported by the registry)
@@ -34,10 +35,11 @@ from torch.autograd.function import once_differentiable
 from fusedalign.ops.options import HeadOptions, HeadOutput, LowRank
 from fusedalign.ops.registry import Backend, register_backend
 
-# Launch shapes (rows per program, columns per program/step, warps). Module-level so a
-# benchmark can sweep them; not part of the API.
-FWD_CONFIG = (4, 1024, 8)
-BWD_CONFIG = (32, 256, 8)
+# Launch shapes (rows per program, columns per program/step, warps), measured on an H200
+# (docs/benchmarks.md): 256 columns per row keep each row's reductions inside one warp.
+# Module-level so a benchmark can sweep them; not part of the API.
+FWD_CONFIG = (16, 256, 4)
+BWD_CONFIG = (16, 256, 4)
 # Chunk widths are rounded down to a multiple of this (GEMM- and kernel-friendly).
 COL_ALIGN = 256
 _HALF = (torch.bfloat16, torch.float16)
@@ -67,8 +69,8 @@ class _TritonHeadLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, bias, down, up, opts: HeadOptions):
         with torch.autocast(hidden.device.type, enabled=False), _on(hidden):
-            logps, entropy, mean, match, lse = _forward(hidden, weight, labels, bias, down, up, opts)
-        ctx.save_for_backward(hidden, weight, labels, bias, down, up, lse)
+            logps, entropy, mean, match, lse2 = _forward(hidden, weight, labels, bias, down, up, opts)
+        ctx.save_for_backward(hidden, weight, labels, bias, down, up, lse2)
         ctx.opts = opts
         ctx.mark_non_differentiable(*[t for t in (entropy, mean, match) if t is not None])
         return logps, entropy, mean, match
@@ -76,11 +78,11 @@ class _TritonHeadLogprobs(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_logps, _grad_entropy, _grad_mean, _grad_argmax):
-        hidden, weight, labels, bias, down, up, lse = ctx.saved_tensors
+        hidden, weight, labels, bias, down, up, lse2 = ctx.saved_tensors
         needs = ctx.needs_input_grad  # (hidden, weight, labels, bias, down, up, opts)
         with torch.autocast(hidden.device.type, enabled=False), _on(hidden):
             g_h, g_w, g_b, g_down, g_up = _backward(
-                grad_logps, hidden, weight, labels, bias, down, up, lse, ctx.opts,
+                grad_logps, hidden, weight, labels, bias, down, up, lse2, ctx.opts,
                 need=(needs[0], needs[1], needs[3], needs[4], needs[5]),
             )
         return g_h, g_w, None, g_b, g_down, g_up, None
@@ -107,9 +109,16 @@ def _blocks(config: tuple[int, int, int], n: int, cols: int, cuda: bool) -> tupl
     return min(64, triton.next_power_of_2(n)), min(1024, triton.next_power_of_2(cols)), config[2]
 
 
-def _scalars(opts: HeadOptions) -> tuple[float, float, float, float]:
+_LOG2E = 1.0 / math.log(2.0)
+_LN2 = math.log(2.0)
+
+
+def _scalars(opts: HeadOptions) -> tuple[float, float, float, float, float]:
+    """(logit_scale, lora scale, softcap, k_u2, k_z2): the kernels work in base 2, with
+    y2 = u * k_u2 (no softcap; u = the logits before logit_scale) or z * k_z2."""
     softcap = 1.0 if opts.softcap is None else opts.softcap
-    return opts.logit_scale, opts.low_rank_scale, softcap, 1.0 / opts.temperature
+    k_z2 = _LOG2E / opts.temperature
+    return opts.logit_scale, opts.low_rank_scale, softcap, opts.logit_scale * k_z2, k_z2
 
 
 def _chunk_logits(buf, lbuf, hidden, weight, down, up, c0, cl):
@@ -125,7 +134,10 @@ def _chunk_logits(buf, lbuf, hidden, weight, down, up, c0, cl):
 
 
 def _forward(hidden, weight, labels, bias, down, up, opts: HeadOptions):
-    """Returns (logps, entropy, logit_mean, argmax_match, lse); stats None unless asked."""
+    """Returns (logps, entropy, logit_mean, argmax_match, lse2); stats None unless asked.
+
+    lse2 [N] is log2 sum_v 2^(y2_v), the base-2 logsumexp that backward needs.
+    """
     n, v, dev = hidden.shape[0], weight.shape[0], hidden.device
     f32 = torch.float32
     valid = labels != opts.ignore_index
@@ -141,31 +153,31 @@ def _forward(hidden, weight, labels, bias, down, up, opts: HeadOptions):
         buf = torch.empty(n * cols, dtype=hidden.dtype, device=dev)
         lbuf = None if down is None else torch.empty(n * cols, dtype=down.dtype, device=dev)
         br, bc, warps = _blocks(FWD_CONFIG, n, cols, hidden.is_cuda)
-        scale, lr_scale, softcap, inv_t = _scalars(opts)
+        scalars = _scalars(opts)
         for c0 in range(0, v, cols):
             cl = min(cols, v - c0)
             x, lx = _chunk_logits(buf, lbuf, hidden, weight, down, up, c0, cl)
             kernel[(triton.cdiv(n, br),)](
                 x, cl, lx, cl, x if bias is None else bias, lab,
                 m, s, tgt, w, zsum, zmax, amax,
-                n, c0, cl, int(c0 == 0),
-                scale, lr_scale, softcap, inv_t,
+                n, c0, cl, int(c0 == 0), *scalars,
                 HAS_BIAS=bias is not None, HAS_LORA=down is not None,
                 HAS_SOFTCAP=opts.softcap is not None, ENTROPY=opts.entropy,
                 MEAN=opts.logit_mean, ARGMAX=opts.argmax, ACCURATE_TANH=hidden.is_cuda,
                 BLOCK_R=br, BLOCK_C=bc, num_warps=warps,
             )
         del buf, lbuf
-    log_s = torch.log(s)
-    lse = m + log_s
-    logps = torch.where(valid, tgt - lse, 0.0)
-    entropy = log_s - w / s if opts.entropy else None
+    # The state is in base 2: y2 = y log2 e. Back to natural log-probs at the end.
+    log2_s = torch.log2(s)
+    lse2 = m + log2_s
+    logps = torch.where(valid, (tgt - lse2) * _LN2, 0.0)
+    entropy = (log2_s - w / s) * _LN2 if opts.entropy else None
     mean = zsum / v if opts.logit_mean else None
     match = (amax.long() == labels) & valid if opts.argmax else None
-    return logps, entropy, mean, match, lse
+    return logps, entropy, mean, match, lse2
 
 
-def _backward(g, hidden, weight, labels, bias, down, up, lse, opts: HeadOptions, *, need):
+def _backward(g, hidden, weight, labels, bias, down, up, lse2, opts: HeadOptions, *, need):
     """Gradients (hidden, weight, bias, down, up) of sum_i g_i logp_i; None where not needed."""
     need_h, need_w, need_b, need_down, need_up = need
     n, v, dev = hidden.shape[0], weight.shape[0], hidden.device
@@ -193,14 +205,13 @@ def _backward(g, hidden, weight, labels, bias, down, up, lse, opts: HeadOptions,
         br, bc, warps = _blocks(BWD_CONFIG, n, cols, hidden.is_cuda)
         row_blocks = triton.cdiv(n, br)
         dbias = torch.empty(row_blocks, cols, dtype=torch.float32, device=dev) if need_b else lab
-        scale, lr_scale, softcap, inv_t = _scalars(opts)
+        scalars = _scalars(opts)
         for c0 in range(0, v, cols):
             cl = min(cols, v - c0)
             x, lx = _chunk_logits(buf, lbuf, hidden, weight, down, up, c0, cl)
             kernel[(row_blocks, triton.cdiv(cl, bc))](
-                x, cl, lx, cl, x if bias is None else bias, lab, lse, gs, dbias, cols,
-                n, c0, cl,
-                scale, lr_scale, softcap, inv_t,
+                x, cl, lx, cl, x if bias is None else bias, lab, lse2, gs, dbias, cols,
+                n, c0, cl, *scalars,
                 HAS_BIAS=bias is not None, HAS_LORA=down is not None,
                 HAS_SOFTCAP=opts.softcap is not None, BIAS_GRAD=need_b,
                 LORA_GRAD=need_down or need_up, ACCURATE_TANH=hidden.is_cuda,
@@ -215,7 +226,7 @@ def _backward(g, hidden, weight, labels, bias, down, up, lse, opts: HeadOptions,
             if need_b:
                 g_b[c0:c0 + cl] = dbias[:, :cl].sum(dim=0)
             if need_up:
-                g_up[c0:c0 + cl] = _wide_mm(lx.t(), down).mul_(lr_scale)  # [C, N] @ [N, r]
+                g_up[c0:c0 + cl] = _wide_mm(lx.t(), down).mul_(opts.low_rank_scale)  # [C, N] @ [N, r]
             if need_down:
                 _accumulate_mm(g_down, lx, up[c0:c0 + cl])  # [N, C] @ [C, r]
         del buf, lbuf, dbias

@@ -5,7 +5,9 @@ a single pass over a chunk `L = [N, C]` of raw logits `h W[c0:c0+C]^T` (input dt
 
 - `fwd_chunk_kernel` turns each row into a = logit_scale * (L + b + s * lora),
   z = softcap * tanh(a / softcap), y = z / T, and folds the chunk into running per-token
-  state (online max and sum-exp of y, the label's y, entropy, sum of z, argmax of z);
+  state (online max and sum-exp of y, the label's y, entropy, sum of z, argmax of z),
+  in base 2 (exp2 of y log2 e, the constants folded on the host: one multiply per
+  element between the load and the exponential when there is no softcap);
 - `bwd_chunk_kernel` overwrites L in place with the gradient
   G = g * logit_scale / T * (onehot - softmax(y)) * (1 - tanh^2)   (the softcap factor
   only with a softcap), optionally also in the LoRA buffer's dtype, and writes partial
@@ -32,14 +34,28 @@ def _tanh(x, ACCURATE_TANH: tl.constexpr):
 
 
 @triton.jit
-def _raw_to_a(x, lr, b, logit_scale, lora_scale, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr):
-    """a = logit_scale * (x + b + s * lr), in fp32, in the order the torch backend uses."""
-    a = x.to(tl.float32)
+def _raw_u(x, lr, b, lora_scale, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr):
+    """u = x + b + s * lr in fp32 (the logits before logit_scale), in the torch backend's order."""
+    u = x.to(tl.float32)
     if HAS_BIAS:
-        a = a + b.to(tl.float32)
+        u = u + b.to(tl.float32)
     if HAS_LORA:
-        a = a + lora_scale * lr.to(tl.float32)
-    return a * logit_scale
+        u = u + lora_scale * lr.to(tl.float32)
+    return u
+
+
+@triton.jit
+def _log2_logits(u, logit_scale, softcap, k_u2, k_z2, HAS_SOFTCAP: tl.constexpr,
+                 ACCURATE_TANH: tl.constexpr):
+    """(y2, t): y2 = z / T * log2(e), the softmax argument in base 2; t = tanh(a / softcap).
+
+    Without a softcap y2 = u * (logit_scale / T * log2 e): one multiply per element, the
+    scales folded on the host. t is 0 (unused) without a softcap.
+    """
+    if HAS_SOFTCAP:
+        t = _tanh(u * logit_scale / softcap, ACCURATE_TANH)
+        return t * (softcap * k_z2), t
+    return u * k_u2, 0.0
 
 
 @triton.jit(do_not_specialize=["n_rows", "c0", "c_len", "first"])
@@ -47,16 +63,17 @@ def fwd_chunk_kernel(
     logits_ptr, stride_l, lora_ptr, stride_lr, bias_ptr, labels_ptr,
     m_ptr, s_ptr, tgt_ptr, w_ptr, zsum_ptr, zmax_ptr, amax_ptr,
     n_rows, c0, c_len, first,
-    logit_scale, lora_scale, softcap, inv_temperature,
+    logit_scale, lora_scale, softcap, k_u2, k_z2,
     HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     ENTROPY: tl.constexpr, MEAN: tl.constexpr, ARGMAX: tl.constexpr,
     ACCURATE_TANH: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """Fold columns [c0, c0 + c_len) of BLOCK_R rows into the per-token running state.
 
-    State (fp32, [N]): m = running max of y; s = sum exp(y - m); w = sum exp(y - m)(y - m)
-    (entropy = log s - w / s); tgt = y at the label; zsum = sum z; zmax/amax = max of z
-    and its first index. `first` != 0 starts the state instead of loading it.
+    All in base 2 (y2 = y log2 e), fp32, [N]: m = running max of y2; s = sum 2^(y2 - m);
+    w = sum 2^(y2 - m) (y2 - m) (entropy = ln 2 (log2 s - w / s)); tgt = y2 at the label;
+    zsum = sum z; zmax / amax = max of z and its first index. `first` != 0 starts the
+    state instead of loading it.
     """
     pid = tl.program_id(0)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -98,39 +115,38 @@ def fwd_chunk_kernel(
         lr = 0.0
         if HAS_LORA:
             lr = tl.load(lora_ptr + rows64[:, None] * stride_lr + cols[None, :], mask=mask, other=0.0)
-        a = _raw_to_a(x, lr, b, logit_scale, lora_scale, HAS_BIAS, HAS_LORA)
-        if HAS_SOFTCAP:
-            z = softcap * _tanh(a / softcap, ACCURATE_TANH)
-        else:
-            z = a
-        z = tl.where(mask, z, float("-inf"))
-        y = z * inv_temperature
-        if ARGMAX:
-            bz, bi = tl.max(z, axis=1, return_indices=True, return_indices_tie_break_left=True)
-            better = bz > zmax  # strict: an earlier column wins ties, as in torch.argmax
-            amax = tl.where(better, bi + c0 + start, amax)
-            zmax = tl.where(better, bz, zmax)
-            bmax = bz * inv_temperature
-        else:
-            bmax = tl.max(y, axis=1)
-        m_new = tl.maximum(m, bmax)
+        u = _raw_u(x, lr, b, lora_scale, HAS_BIAS, HAS_LORA)
+        y2, t = _log2_logits(u, logit_scale, softcap, k_u2, k_z2, HAS_SOFTCAP, ACCURATE_TANH)
+        y2 = tl.where(mask, y2, float("-inf"))
+        if ARGMAX or MEAN:  # z itself, the model's logits
+            if HAS_SOFTCAP:
+                z = softcap * t
+            else:
+                z = u * logit_scale
+            if ARGMAX:
+                bz, bi = tl.max(tl.where(mask, z, float("-inf")), axis=1, return_indices=True,
+                                return_indices_tie_break_left=True)
+                better = bz > zmax  # strict: an earlier column wins ties, as in torch.argmax
+                amax = tl.where(better, bi + c0 + start, amax)
+                zmax = tl.where(better, bz, zmax)
+            if MEAN:
+                zsum += tl.sum(tl.where(mask, z, 0.0), axis=1)
+        m_new = tl.maximum(m, tl.max(y2, axis=1))
         m_new = tl.where(rmask, m_new, 0.0)  # rows past N: keep the arithmetic finite
-        d = y - m_new[:, None]
-        p = tl.exp(d)  # 0 on masked columns (y = -inf)
-        alpha = tl.exp(m - m_new)  # 0 on the first block (m = -inf)
+        d = y2 - m_new[:, None]
+        p = tl.exp2(d)  # 0 on masked columns (y2 = -inf)
+        alpha = tl.exp2(m - m_new)  # 0 on the first block (m = -inf)
         if ENTROPY:
             pd = tl.sum(tl.where(mask, p * d, 0.0), axis=1)
-            # w was relative to m; re-base it on m_new: e^{m-m'} (w + (m - m') s). Before
+            # w was relative to m; re-base it on m_new: 2^{m-m'} (w + (m - m') s). Before
             # the first block s = 0 and m = -inf: take (m - m') as 0 there, not -inf * 0.
             shift = tl.where(s > 0, m - m_new, 0.0)
             w = alpha * (w + shift * s) + pd
         s = s * alpha + tl.sum(p, axis=1)
         m = m_new
-        if MEAN:
-            zsum += tl.sum(tl.where(mask, z, 0.0), axis=1)
 
-    # The label's y, when the label falls in this chunk: one element per row, through the
-    # same arithmetic as above so that it is bit-identical to the y inside the sum.
+    # The label's y2, when the label falls in this chunk: one element per row, through the
+    # same arithmetic as above so that it is bit-identical to the y2 inside the sum.
     rel = labels - c0
     here = rmask & (rel >= 0) & (rel < c_len)
     rel = tl.where(here, rel, 0)
@@ -141,12 +157,9 @@ def fwd_chunk_kernel(
     lrt = 0.0
     if HAS_LORA:
         lrt = tl.load(lora_ptr + rows64 * stride_lr + rel, mask=here, other=0.0)
-    at = _raw_to_a(xt, lrt, bt, logit_scale, lora_scale, HAS_BIAS, HAS_LORA)
-    if HAS_SOFTCAP:
-        zt = softcap * _tanh(at / softcap, ACCURATE_TANH)
-    else:
-        zt = at
-    tgt = tl.where(here, zt * inv_temperature, tgt)
+    ut = _raw_u(xt, lrt, bt, lora_scale, HAS_BIAS, HAS_LORA)
+    yt, _ = _log2_logits(ut, logit_scale, softcap, k_u2, k_z2, HAS_SOFTCAP, ACCURATE_TANH)
+    tgt = tl.where(here, yt, tgt)
 
     tl.store(m_ptr + rows, m, mask=rmask)
     tl.store(s_ptr + rows, s, mask=rmask)
@@ -162,20 +175,21 @@ def fwd_chunk_kernel(
 
 @triton.jit(do_not_specialize=["n_rows", "c0", "c_len"])
 def bwd_chunk_kernel(
-    logits_ptr, stride_l, lora_ptr, stride_lr, bias_ptr, labels_ptr, lse_ptr, gs_ptr,
+    logits_ptr, stride_l, lora_ptr, stride_lr, bias_ptr, labels_ptr, lse2_ptr, gs_ptr,
     dbias_ptr, stride_db,
     n_rows, c0, c_len,
-    logit_scale, lora_scale, softcap, inv_temperature,
+    logit_scale, lora_scale, softcap, k_u2, k_z2,
     HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     BIAS_GRAD: tl.constexpr, LORA_GRAD: tl.constexpr,
     ACCURATE_TANH: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """Overwrite a [BLOCK_R, BLOCK_C] tile of the raw logits with the gradient G.
 
-    G = gs * (onehot - exp(y - lse)) * (1 - tanh^2), gs = g * logit_scale / T (0 where
-    ignored), is d(sum_i g_i logp_i) / d(raw logits). It is stored in the logits buffer's
-    dtype (for the base GEMMs), in the LoRA buffer's dtype when LORA_GRAD, and its column
-    sums over the tile's rows go to dbias[pid_r, :] (fp32) when BIAS_GRAD.
+    G = gs * (onehot - 2^(y2 - lse2)) * (1 - tanh^2), gs = g * logit_scale / T (0 where
+    ignored), lse2 = the forward's log2-sum-exp2 of y2, is d(sum_i g_i logp_i) / d(raw
+    logits). It is stored in the logits buffer's dtype (for the base GEMMs), in the LoRA
+    buffer's dtype when LORA_GRAD, and its column sums over the tile's rows go to
+    dbias[pid_r, :] (fp32) when BIAS_GRAD.
     """
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -186,7 +200,7 @@ def bwd_chunk_kernel(
     mask = rmask[:, None] & cmask[None, :]
     rows64 = rows.to(tl.int64)
     labels = tl.load(labels_ptr + rows, mask=rmask, other=-1)
-    lse = tl.load(lse_ptr + rows, mask=rmask, other=0.0)
+    lse2 = tl.load(lse2_ptr + rows, mask=rmask, other=0.0)
     gs = tl.load(gs_ptr + rows, mask=rmask, other=0.0)
 
     offs = rows64[:, None] * stride_l + cols[None, :]
@@ -198,20 +212,16 @@ def bwd_chunk_kernel(
     lr = 0.0
     if HAS_LORA:
         lr = tl.load(lora_ptr + lr_offs, mask=mask, other=0.0)
-    a = _raw_to_a(x, lr, b, logit_scale, lora_scale, HAS_BIAS, HAS_LORA)
-    if HAS_SOFTCAP:
-        t = _tanh(a / softcap, ACCURATE_TANH)
-        y = t * (softcap * inv_temperature)
-    else:
-        y = a * inv_temperature
-    p = tl.exp(y - lse[:, None])
+    u = _raw_u(x, lr, b, lora_scale, HAS_BIAS, HAS_LORA)
+    y2, t = _log2_logits(u, logit_scale, softcap, k_u2, k_z2, HAS_SOFTCAP, ACCURATE_TANH)
+    p = tl.exp2(y2 - lse2[:, None])
     onehot = (c0 + cols)[None, :] == labels[:, None]
     grad = gs[:, None] * (tl.where(onehot, 1.0, 0.0) - p)
     if HAS_SOFTCAP:
         grad = grad * (1.0 - t * t)
-    grad = tl.where(mask, grad, 0.0)
     tl.store(logits_ptr + offs, grad.to(logits_ptr.dtype.element_ty), mask=mask)
     if LORA_GRAD:
         tl.store(lora_ptr + lr_offs, grad.to(lora_ptr.dtype.element_ty), mask=mask)
     if BIAS_GRAD:
-        tl.store(dbias_ptr + pid_r * stride_db + cols, tl.sum(grad, axis=0), mask=cmask)
+        col_sum = tl.sum(tl.where(mask, grad, 0.0), axis=0)
+        tl.store(dbias_ptr + pid_r * stride_db + cols, col_sum, mask=cmask)

@@ -112,6 +112,19 @@ def test_cuda_bf16_error_no_worse_than_unfused_bf16(n, v, h, chunk, seed):
 
 @needs_cuda
 @pytest.mark.gpu
+@pytest.mark.parametrize("logit_std", [1.0, 300.0])  # 300: exp would overflow unshifted
+def test_cuda_logps_nonpositive_finite_and_zero_when_ignored(logit_std):
+    p = make_problem(33, 70, 8, dtype=torch.float32, ignore_frac=0.3, logit_std=logit_std)
+    pd = on(p, "cuda")
+    out, grads = run_op(pd, opts_of(), "triton", chunk_size=7)
+    assert torch.isfinite(out.logps).all() and (out.logps <= 0).all()
+    assert (out.logps[pd["labels"] == -100] == 0).all()
+    assert all(torch.isfinite(g).all() for g in grads)
+    check_parity(pd, p, opts_of(), out, grads, rtol=1e-5)
+
+
+@needs_cuda
+@pytest.mark.gpu
 def test_cuda_fp32_adapter_on_bf16_head():
     """PEFT keeps LoRA weights in fp32 over a bf16 model: G reaches them in fp32."""
     p = make_problem(200, 700, 64, dtype=torch.bfloat16, bias=True, rank=8, ignore_frac=0.2, seed=5)
