@@ -60,7 +60,10 @@ def head_logprobs(
         argmax: also return whether argmax(z) == label.
         chunk_size: tokens per chunk; overrides `memory_budget_bytes`.
         memory_budget_bytes: bytes for one fp32 logits chunk [rows, V] (default 256 MiB
-            on CUDA, 32 MiB elsewhere); peak extra memory is a small multiple of it.
+            on CUDA, 32 MiB elsewhere); peak extra memory is a small multiple of it. The
+            "triton" backend chunks the vocabulary instead, keeping the same number of
+            logits per chunk in the input dtype (half the budget for bf16), plus an fp32
+            [N, H] accumulator for the hidden-state gradient of bf16/fp16 inputs.
         backend: "auto" ("triton" on CUDA when Triton is installed and the dtype is
             fp32/bf16/fp16, else "torch"), "torch" (chunked PyTorch), "reference"
             (unfused, materialises z) or "triton" (cuBLAS GEMMs + Triton kernels, CUDA).

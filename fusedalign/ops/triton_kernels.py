@@ -52,10 +52,14 @@ def _log2_logits(u, logit_scale, softcap, k_u2, k_z2, HAS_SOFTCAP: tl.constexpr,
     Without a softcap y2 = u * (logit_scale / T * log2 e): one multiply per element, the
     scales folded on the host. t is 0 (unused) without a softcap.
     """
+    # One return statement: Triton requires every return of a function to have one type.
     if HAS_SOFTCAP:
         t = _tanh(u * logit_scale / softcap, ACCURATE_TANH)
-        return t * (softcap * k_z2), t
-    return u * k_u2, 0.0
+        y2 = t * (softcap * k_z2)
+    else:
+        t = 0.0
+        y2 = u * k_u2
+    return y2, t
 
 
 @triton.jit(do_not_specialize=["n_rows", "c0", "c_len", "first"])

@@ -263,6 +263,7 @@ def test_interpreter_kernels_match_oracle():
 
 def interpreter_checks():
     """Run in the subprocess above: a few small cases, fp32 and bf16, all outputs."""
+    import numpy as np
     import triton
     from triton.runtime import interpreter
 
@@ -276,6 +277,18 @@ def interpreter_checks():
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
     interpreter._patch_lang_tensor = patch_lang_tensor
+    # Its fp32 -> bf16 cast truncates; the GPU (cvt.rn) rounds to nearest even. Round as
+    # the GPU does, so that the bf16 check below holds the kernels to CUDA's tolerance.
+    cast_impl = interpreter.InterpreterBuilder.cast_impl
+
+    def cast_rtne(self, src, dst_type):
+        if src.dtype.scalar == triton.language.float32 and dst_type.scalar == triton.language.bfloat16:
+            t = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16)
+            return interpreter.TensorHandle(t.view(torch.int16).numpy().view(np.uint16),
+                                            dst_type.scalar)
+        return cast_impl(self, src, dst_type)
+
+    interpreter.InterpreterBuilder.cast_impl = cast_rtne
     for case in ("everything", "vocab_prime", "all_ignored", "random4"):
         n, v, h, chunk, prob, opt = ALL_CASES[case]
         p = make_problem(n, v, h, dtype=torch.float32, **prob)
@@ -293,9 +306,7 @@ def interpreter_checks():
     truth, truth_grads, _ = run_oracle(p, opts)
     naive, naive_grads, _ = run_oracle(p, opts, as_dtype=torch.bfloat16, upcast=torch.float32)
     out, grads = run_interpreted(p, opts, chunk=9)
-    # The interpreter converts fp32 -> bf16 by truncation (the GPU rounds to nearest), so
-    # the stored gradient G carries twice the rounding error here: 2e-3, not CUDA's 1e-3.
-    tol = 2e-3
+    tol = 1e-3
     assert fro_err(out.logps, truth) <= fro_err(naive, truth) + tol
     for name, got, ref, nv in zip(GRAD_NAMES, grads, truth_grads, naive_grads):
         assert got.dtype == torch.bfloat16, name
