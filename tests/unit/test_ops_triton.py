@@ -243,6 +243,72 @@ def test_cuda_peak_memory_is_chunk_plus_hidden_accumulator():
     assert extra < n * v * 2 // 8  # far below the bf16 logits
 
 
+# --------------------------------------------------------------------------- compiling
+
+
+def flag_sets(names):
+    """All off, all on, and each flag alone flipped either way: every constexpr branch."""
+    sets = [dict.fromkeys(names, False), dict.fromkeys(names, True)]
+    for name in names:
+        sets.append({n: n == name for n in names})
+        sets.append({n: n != name for n in names})
+    return sets
+
+
+def kernel_signature(fn):
+    """Argument types for compiling `fn` ahead of time: bf16 logits, fp32 state, i32 sizes."""
+    sig = {}
+    for name in fn.arg_names:
+        if name in ("labels_ptr", "amax_ptr"):
+            sig[name] = "*i32"
+        elif name in ("logits_ptr", "lora_ptr", "bias_ptr"):
+            sig[name] = "*bf16"
+        elif name.endswith("_ptr"):
+            sig[name] = "*fp32"
+        elif name.startswith("stride") or name in ("n_rows", "c0", "c_len", "first"):
+            sig[name] = "i32"
+        elif name.isupper() or name.startswith("BLOCK"):
+            sig[name] = "constexpr"
+        else:
+            sig[name] = "fp32"
+    return sig
+
+
+@pytest.mark.parametrize("kernel", ["fwd_chunk_kernel", "bwd_chunk_kernel"])
+def test_kernels_compile_for_hopper_with_every_flag(kernel):
+    """Triton's front end (no GPU needed) on each constexpr branch, for sm_90.
+
+    A branch the interpreter runs happily can still be rejected by the compiler (e.g. two
+    returns of different types); CI has no GPU, so it compiles here.
+    """
+    try:
+        from triton._C.libtriton import ir
+        from triton.backends.compiler import GPUTarget
+        from triton.backends.nvidia.compiler import CUDABackend
+        from triton.compiler import ASTSource
+    except ImportError as err:
+        pytest.skip(f"this Triton's compiler internals differ: {err}")
+    if os.environ.get("TRITON_INTERPRET"):
+        pytest.skip("TRITON_INTERPRET is set: the kernels are not compiled")
+    from fusedalign.ops import triton_kernels
+
+    fn = getattr(triton_kernels, kernel)
+    sig = kernel_signature(fn)
+    flags = [n for n, t in sig.items() if t == "constexpr" and not n.startswith("BLOCK")]
+    target = GPUTarget("cuda", 90, 32)
+    backend = CUDABackend(target)
+    options = backend.parse_options({"num_warps": 4})
+    for flag_values in flag_sets([f for f in flags if f != "ACCURATE_TANH"]):
+        constants = {**flag_values, "ACCURATE_TANH": True, "BLOCK_R": 16, "BLOCK_C": 256}
+        src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(n),): v
+                                               for n, v in constants.items()})
+        ctx = ir.context()
+        ir.load_dialects(ctx)
+        backend.load_dialects(ctx)
+        src.make_ir(target, options, backend.get_codegen_implementation(options),
+                    backend.get_module_map(), ctx)  # raises CompilationError on a bad branch
+
+
 # --------------------------------------------------------------------------- interpreter
 
 
