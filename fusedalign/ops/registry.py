@@ -5,7 +5,8 @@ computing the definition in docs/internals.md. Built-in backends register themse
 when their module is imported; optional ones (a CUDA Triton kernel in
 `ops/triton_head.py`) are imported only when asked for, so a missing dependency costs
 nothing until someone requests that backend by name — and then fails loudly, never
-swapping in another computation.
+swapping in another computation. Only "auto" moves on to the next backend that can run
+(the same function; `HeadOutput.backend` says which one ran).
 """
 
 from __future__ import annotations
