@@ -162,7 +162,7 @@ def _import(spec: str) -> Any:
 def run_training(command: str, argv: list[str]) -> None:
     """`fusedalign dpo|kto|sft`: parse, load, train, save, plot."""
     from fusedalign.configs import ModelArguments, ScriptArguments
-    from fusedalign.distributed import setup_distributed
+    from fusedalign.distributed import setup_distributed, teardown_distributed
 
     config_spec, trainer_spec = TRAINING_COMMANDS[command]
     setup_distributed()  # before any argument or model is built (DeepSpeed on CPU)
@@ -174,6 +174,7 @@ def run_training(command: str, argv: list[str]) -> None:
         peft_config=peft_config_from(model_args),
     )
     train_and_save(trainer, args)
+    teardown_distributed()
 
 
 def run_plot(argv: list[str]) -> None:

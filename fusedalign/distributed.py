@@ -192,3 +192,18 @@ def prepare_final_save(trainer: Any) -> None:
     if is_zero3(accelerator):
         zero = accelerator.state.deepspeed_plugin.deepspeed_config.setdefault("zero_optimization", {})
         zero["stage3_gather_16bit_weights_on_model_save"] = True
+
+
+def teardown_distributed() -> None:
+    """Ends the process group cleanly once a run is over.
+
+    Exiting with a live gloo group can abort the interpreter at shutdown ("terminate
+    called without an active exception"), turning a finished run into a failed one.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()

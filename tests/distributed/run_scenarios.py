@@ -17,7 +17,7 @@ import json
 import os
 import sys
 
-from fusedalign.distributed import setup_distributed
+from fusedalign.distributed import setup_distributed, teardown_distributed
 
 
 def build_trainer(spec: dict, out_dir: str):
@@ -124,6 +124,7 @@ def main() -> int:
         specs = json.load(f)
     for spec in specs:
         run(spec, cli.out)
+    teardown_distributed()
     return 0
 
 
