@@ -176,6 +176,13 @@ class SFTTrainer(FusedAlignTrainer):
             "mean_token_accuracy": (stats.correct_tokens, stats.num_tokens),
             "entropy": (stats.entropy, stats.num_tokens),
         }
+        if mode == "eval":
+            # Per row, so evaluation drops the rows accelerate repeats to even out ranks.
+            tokens = mask.sum(-1).double()  # [B]
+            metrics = {
+                "mean_token_accuracy": ((out.argmax_match & mask).sum(-1).double(), tokens),
+                "entropy": ((out.entropy * mask).sum(-1).double(), tokens),
+            }
         if mode == "train":
             # As TRL: input tokens, padding excluded (a padding-free row has none).
             seen = inputs["attention_mask"].sum() if "attention_mask" in inputs else inputs["input_ids"].numel()
