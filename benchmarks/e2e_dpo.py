@@ -4,6 +4,7 @@ Trains, on the same model (a Qwen2.5-0.5B-shaped random init, bf16, saved once a
 loaded by path) and the same synthetic preference data, each of:
 
     ours_fused     fusedalign.DPOTrainer, fused head (the default)
+    ours_fused_liger  ours fused, plus Liger's RMSNorm/SwiGLU/RoPE kernels (liger_kernels=True)
     ours_unfused   fusedalign.DPOTrainer, fused_head=False (full logits)
     trl            trl.DPOTrainer                           (when `import trl` works)
     trl_liger      trl.DPOTrainer, use_liger_kernel=True    (and liger_kernel imports)
@@ -76,7 +77,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # this working tree's fusedalign, however it is installed
 
-CONFIGS = ("ours_fused", "ours_unfused", "trl", "trl_liger")
+CONFIGS = ("ours_fused", "ours_fused_liger", "ours_unfused", "trl", "trl_liger")
 CHECKED = ("ours_fused", "ours_unfused", "trl")  # must agree on the first steps
 SEARCH_CONFIGS = ("ours_fused", "trl_liger")
 LN2 = math.log(2.0)
@@ -353,7 +354,10 @@ def build_ours(args, config: str, length: int, output_dir: str, rows: dict, toke
     kwargs = common_training_args(args, length, output_dir)
     if args.device == "cpu":
         kwargs.pop("use_cpu")  # fusedalign switches to the CPU itself when there is no accelerator
-    training_args = DPOConfig(**kwargs, fused_head=config == "ours_fused", max_prompt_length=None)
+    training_args = DPOConfig(
+        **kwargs, fused_head=config.startswith("ours_fused"), liger_kernels=config == "ours_fused_liger",
+        max_prompt_length=None,
+    )
     trainer = BenchDPOTrainer(model=args.model_dir, args=training_args, train_dataset=None,
                               processing_class=tokenizer, callbacks=[callback])
     # prepare_dpo_dataset takes text only; these rows are already token ids (see the module doc).
@@ -626,7 +630,8 @@ def check_agreement(length: int, results: dict[str, dict], args) -> str:
 
 
 def targets(length: int, results: dict[str, dict]) -> None:
-    ours, base = results.get("ours_fused", {}), results.get("trl_liger", {})
+    ours = results.get("ours_fused_liger") or results.get("ours_fused", {})
+    base = results.get("trl_liger", {})
     if ours.get("status") != "ok" or base.get("status") != "ok":
         return
     speed = ours["tokens_per_s"] / base["tokens_per_s"]

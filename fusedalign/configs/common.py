@@ -62,6 +62,11 @@ class FusedAlignConfig(TrainingArguments):
             "--use_liger_kernel is accepted as an alias (it turns the fused head on).",
         },
     )
+    liger_kernels: bool = field(
+        default=False,
+        metadata={"help": "Also use Liger's RMSNorm/SwiGLU/RoPE kernels (CUDA, liger-kernel installed); "
+                  "set by --use_liger_kernel. The head is always fusedalign's."},
+    )
     max_length: int | None = field(default=1024, metadata={"help": "Maximum tokens of prompt + completion."})
     dataset_num_proc: int | None = field(default=None)
     logging_steps: float = field(default=1)
@@ -75,6 +80,7 @@ class FusedAlignConfig(TrainingArguments):
         # otherwise patch the model with Liger's own loss forward.
         if self.use_liger_kernel:
             self.fused_head = True
+            self.liger_kernels = True
             self.use_liger_kernel = False
         # No accelerator present: train on the CPU, also under DeepSpeed and FSDP2
         # (distributed.py knows how each backend is brought up there).

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from transformers.utils import logging
 
+from fusedalign.kernels import apply_liger_kernels
 from fusedalign.models import load_model, load_tokenizer
 from fusedalign.trainers.base import disable_dropout
 
@@ -49,6 +50,8 @@ def prepare_models(
     tokenizer = processing_class if processing_class is not None else load_tokenizer(path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    if getattr(args, "liger_kernels", False):
+        apply_liger_kernels(model)
     is_peft = peft_config is not None or hasattr(model, "peft_config")
     if peft_config is not None:
         from peft import get_peft_model
@@ -67,6 +70,8 @@ def prepare_models(
         if ref_path is None:
             raise ValueError("No reference model given and the policy has no path to load a copy from; pass ref_model.")
         ref_model = load_model(ref_path, dtype=_dtype(args))
+    if ref_model is not None and getattr(args, "liger_kernels", False):
+        apply_liger_kernels(ref_model)
     return Models(model, ref_model, tokenizer, is_peft)
 
 

@@ -120,7 +120,15 @@ def test_cuda_logps_nonpositive_finite_and_zero_when_ignored(logit_std):
     assert torch.isfinite(out.logps).all() and (out.logps <= 0).all()
     assert (out.logps[pd["labels"] == -100] == 0).all()
     assert all(torch.isfinite(g).all() for g in grads)
-    check_parity(pd, p, opts_of(), out, grads, rtol=1e-5)
+    # fp32 GEMMs round logits by ~1e-7 of their size: at a spread of 300 that alone moves
+    # peaked softmax gradients by more than 1e-5, so the bar is the torch backend's own
+    # fp32 error on the same GPU inputs (Cut Cross-Entropy's criterion), not a constant.
+    want, want_grads, _ = run_oracle(p, opts_of())
+    naive, naive_grads = run_op(on(p, "cuda"), opts_of(), "torch", chunk_size=7)
+    assert out.backend == "triton"
+    assert rel_err(out.logps.cpu(), want) <= max(1e-5, 2 * rel_err(naive.logps.cpu(), want))
+    for name, got, ref, base in zip(GRAD_NAMES, grads, want_grads, naive_grads):
+        assert rel_err(got.cpu(), ref) <= max(1e-5, 2 * rel_err(base.cpu(), ref)), name
 
 
 @needs_cuda
