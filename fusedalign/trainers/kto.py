@@ -319,6 +319,8 @@ class KTOTrainer(FusedAlignTrainer):
         )
         # Examples with nothing to score contribute zero but stay in the graph.
         loss_sum = (result.losses * valid).sum()
+        if mode == "eval":
+            return loss_sum, self._per_example_metrics(result.rewards, seq.detach(), result.desirable, valid, inputs["kl"])
         return loss_sum, self._metrics(result.rewards, seq.detach(), result.desirable, valid, inputs["kl"])
 
     @staticmethod
@@ -334,6 +336,22 @@ class KTOTrainer(FusedAlignTrainer):
             "kl": (z0.detach().float() * (n_d + n_u), n_d + n_u),
             "count/desirable": (n_d, one),  # per-step totals (sum_metrics)
             "count/undesirable": (n_u, one),
+        }
+
+    @staticmethod
+    def _per_example_metrics(rewards, seq, desirable, valid, z0) -> Metrics:
+        """The same sums, per example ([B]), so evaluation drops rows repeated across ranks."""
+        d = (desirable.bool() & valid).double()
+        u = (~desirable.bool() & valid).double()
+        r, lp = rewards.detach().double(), seq.double()
+        return {
+            "rewards/chosen": (r * d, d),
+            "rewards/rejected": (r * u, u),
+            "logps/chosen": (lp * d, d),
+            "logps/rejected": (lp * u, u),
+            "kl": (z0.detach().double() * (d + u), d + u),
+            "count/desirable": (d, torch.zeros_like(d)),  # totals (sum_metrics)
+            "count/undesirable": (u, torch.zeros_like(u)),
         }
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
