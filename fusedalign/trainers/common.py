@@ -69,7 +69,8 @@ def prepare_models(
         ref_path = getattr(args, "ref_model_name_or_path", None) or path
         if ref_path is None:
             raise ValueError("No reference model given and the policy has no path to load a copy from; pass ref_model.")
-        ref_model = load_model(ref_path, dtype=_dtype(args))
+        # The reference in the policy's own dtype (e.g. `--dtype bfloat16` without `--bf16`).
+        ref_model = load_model(ref_path, dtype=_dtype(args) or getattr(model, "dtype", None))
     if ref_model is not None and getattr(args, "liger_kernels", False):
         apply_liger_kernels(ref_model)
     return Models(model, ref_model, tokenizer, is_peft)
