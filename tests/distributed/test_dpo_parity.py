@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.distributed.parity import BACKENDS, ROOT, assert_same_training, assert_weights_changed, lazy_runs, weights
+from tests.distributed.parity import BACKENDS, ROOT, assert_same_training, assert_weights_changed, lazy_runs, uneven_eval, weights
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -84,12 +84,6 @@ def test_backend_equals_single_process_unfused(runs, backend, name, want):
 
 
 def test_eval_metrics_ignore_rows_repeated_to_even_out_ranks(tmp_path):
-    """27 eval rows on 2 ranks x 2: accelerate repeats a row; metrics must not count it."""
-    from tests.distributed.parity import result, run_scenarios
-
-    spec = {**DPO, "name": "odd", "fused": True, "per_device_batch": 2, "evaluate": True, "eval_rows": 27, "steps": 1}
-    run_scenarios([{**spec, "per_device_batch": 4}], tmp_path / "single", None)
-    run_scenarios([spec], tmp_path / "ddp", "ddp")
-    want, got = result(tmp_path / "single", "odd")["eval"], result(tmp_path / "ddp", "odd")["eval"]
+    want, got = uneven_eval(DPO, tmp_path)
     for key in ("eval_rewards/accuracies", "eval_rewards/margins", "eval_logps/chosen", "eval_logits/rejected"):
         assert abs(got[key] - want[key]) <= 1e-5 * abs(want[key]) + 1e-6, (key, got[key], want[key])

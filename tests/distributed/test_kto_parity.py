@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.parity import BACKENDS, ROOT, assert_same_training, assert_weights_changed, lazy_runs, result
+from tests.distributed.parity import BACKENDS, ROOT, assert_same_training, assert_weights_changed, lazy_runs, result, uneven_eval
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -57,13 +57,7 @@ def test_backend_equals_single_process_unfused(runs, backend, name, want):
 
 
 def test_eval_metrics_ignore_rows_repeated_to_even_out_ranks(tmp_path):
-    """27 eval rows on 2 ranks x 2: accelerate repeats a row; metrics must not count it."""
-    from tests.distributed.parity import run_scenarios
-
-    spec = {**KTO, "name": "odd", "fused": True, "per_device_batch": 2, "evaluate": True, "eval_rows": 27, "steps": 1}
-    run_scenarios([{**spec, "per_device_batch": 4}], tmp_path / "single", None)
-    run_scenarios([spec], tmp_path / "ddp", "ddp")
-    want, got = result(tmp_path / "single", "odd")["eval"], result(tmp_path / "ddp", "odd")["eval"]
+    want, got = uneven_eval(KTO, tmp_path)
     assert got["eval_count/desirable"] + got["eval_count/undesirable"] == 27
     for key in ("eval_rewards/chosen", "eval_rewards/rejected", "eval_logps/chosen"):
         assert abs(got[key] - want[key]) <= 1e-5 * abs(want[key]) + 1e-6, (key, got[key], want[key])
