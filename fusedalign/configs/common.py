@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
 from transformers import TrainingArguments
 
 from fusedalign.distributed import configure_cpu_arguments, finish_cpu_setup

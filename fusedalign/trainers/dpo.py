@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 from fusedalign.configs import DPOConfig
 from fusedalign.data import DPOCollator, position_labels, prepare_dpo_dataset
 from fusedalign.distributed import prepare_reference_model
-from fusedalign.head import IGNORE_INDEX, token_logprobs
+from fusedalign.head import IGNORE_INDEX
 from fusedalign.losses import bco_reward_mean, check_dpo_args, dpo_losses
 from fusedalign.trainers.base import FusedAlignTrainer, Metrics, disable_dropout
 from fusedalign.trainers.common import prepare_models, tokenize_split
@@ -69,7 +69,7 @@ class DPOTrainer(FusedAlignTrainer):
                 disable_dropout(ref)
             ref = prepare_reference_model(ref, self.accelerator)
         self.ref_model = ref
-        self.reference = Reference(ref, use_adapter_disabled=models.is_peft and ref is None, reference_free=args.reference_free)
+        self.reference = Reference(ref, use_adapter_disabled=models.is_peft and ref is None)
         self._precomputed = {"train": PrecomputedLogps("train"), "eval": PrecomputedLogps("eval")}
         self._bco_delta = torch.zeros(())
         self._bco_seen = torch.zeros(2)  # sum and count of all rewards seen (all ranks)
@@ -94,7 +94,7 @@ class DPOTrainer(FusedAlignTrainer):
 
     def _sequence_logps(self, model: nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
         model_inputs = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]}
-        out = token_logprobs(model, model_inputs, labels, fused=self.args.fused_head)
+        out = self.token_logprobs(model, model_inputs, labels)
         return out.logps.sum(-1)  # [2B]
 
     def _reference_logps(self, model: nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor, mode: str) -> torch.Tensor:

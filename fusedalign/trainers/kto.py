@@ -217,7 +217,7 @@ class KTOTrainer(FusedAlignTrainer):
                 disable_dropout(ref)
             ref = prepare_reference_model(ref, self.accelerator)
         self.ref_model = ref
-        self.reference = Reference(ref, use_adapter_disabled=models.is_peft and ref is None, reference_free=False)
+        self.reference = Reference(ref, use_adapter_disabled=models.is_peft and ref is None)
         self._precomputed = {"train": PrecomputedLogps("train"), "eval": PrecomputedLogps("eval")}
 
     @staticmethod

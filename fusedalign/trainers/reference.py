@@ -22,16 +22,14 @@ from torch import nn
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from fusedalign.head import unwrap_model
 
 
 class Reference:
     """Computes reference log-probs for a batch, in whichever mode was configured."""
 
-    def __init__(self, model: nn.Module | None, *, use_adapter_disabled: bool, reference_free: bool):
+    def __init__(self, model: nn.Module | None, *, use_adapter_disabled: bool):
         self.model = model
         self.use_adapter_disabled = use_adapter_disabled
-        self.reference_free = reference_free
 
     @contextlib.contextmanager
     def _adapter_disabled(self, policy: nn.Module):
@@ -93,6 +91,3 @@ class PrecomputedLogps:
         assert self.table is not None
         return self.table[index.cpu()].to(index.device)
 
-
-def peft_has_adapter(model: nn.Module) -> bool:
-    return hasattr(unwrap_model(model), "config") and hasattr(model, "disable_adapter")

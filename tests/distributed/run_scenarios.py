@@ -82,8 +82,6 @@ def build_trainer(spec: dict, out_dir: str):
     if evaluate is not None and spec.get("eval_rows"):
         evaluate = evaluate.select(range(spec["eval_rows"]))
     model = load_model(spec.get("model", "builtin:tiny-qwen2"))
-    if spec.get("peft") and spec.get("init_lora_weights") is False:
-        pass  # random B: the adapter changes the output from the first step
     return trainer_cls(model=model, args=args, train_dataset=train, eval_dataset=evaluate, peft_config=peft_config)
 
 

@@ -10,7 +10,6 @@ single-process unfused baseline to 1e-5 relative.
 from __future__ import annotations
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from tests.distributed.parity import BACKENDS, ROOT, assert_same_training, assert_weights_changed, lazy_runs, uneven_eval, weights
