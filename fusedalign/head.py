@@ -19,12 +19,17 @@ from __future__ import annotations
 
 import contextlib
 import types
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 from torch import nn
 
+from fusedalign.architectures import (  # noqa: F401  (re-exported: the head's public errors and registry)
+    PostProcessing,
+    UnsupportedArchitectureError,
+    post_processing_of,
+    register_architecture,
+)
 from fusedalign.ops import LowRank, head_logprobs
 
 IGNORE_INDEX = -100
@@ -47,92 +52,6 @@ class TokenLogProbs(NamedTuple):
     argmax_match: torch.Tensor | None = None
 
 
-class UnsupportedArchitectureError(ValueError):
-    """Raised for a model whose post-head logit processing fusedalign cannot vouch for."""
-
-
-# --------------------------------------------------------------------------------------
-# Logit post-processing after the head, per architecture.
-#
-# A model may transform the head's output before returning logits (Gemma 2/3 soft-cap
-# them, Cohere multiplies by a scale, Granite divides). While the fused head is active
-# that step must move into the op (it acts on the logits inside the softmax), and the
-# model's own copy must be switched off, or the log-probs would be of the wrong
-# distribution. Each entry reads the step's parameters from the causal-LM module and
-# returns (op kwargs, a function that switches the model's step off and returns an undo).
-# --------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class PostProcessing:
-    """How the model transforms `lm_head`'s output; folded into the op while fused."""
-
-    softcap: float | None = None
-    logit_scale: float = 1.0
-    disable: Callable[[], Callable[[], None]] = field(default=lambda: (lambda: None))
-
-
-def _no_post_processing(lm: nn.Module) -> PostProcessing:
-    return PostProcessing()
-
-
-def _swap_attr(obj: Any, name: str, value: Any) -> Callable[[], Callable[[], None]]:
-    def disable() -> Callable[[], None]:
-        old = getattr(obj, name)
-        setattr(obj, name, value)
-        return lambda: setattr(obj, name, old)
-
-    return disable
-
-
-def _final_logit_softcapping(lm: nn.Module) -> PostProcessing:
-    cap = getattr(lm.config, "final_logit_softcapping", None)
-    if cap is None:
-        return PostProcessing()
-    return PostProcessing(softcap=float(cap), disable=_swap_attr(lm.config, "final_logit_softcapping", None))
-
-
-def _cohere_logit_scale(lm: nn.Module) -> PostProcessing:
-    return PostProcessing(logit_scale=float(lm.logit_scale), disable=_swap_attr(lm, "logit_scale", 1.0))
-
-
-def _granite_logits_scaling(lm: nn.Module) -> PostProcessing:
-    scaling = float(lm.config.logits_scaling)
-    return PostProcessing(logit_scale=1.0 / scaling, disable=_swap_attr(lm.config, "logits_scaling", 1.0))
-
-
-# model_type -> reader of its post-head processing. Only architectures whose
-# `ForCausalLM.forward` was read and found to apply exactly this step are listed.
-POST_PROCESSING: dict[str, Callable[[nn.Module], PostProcessing]] = {
-    **{
-        name: _no_post_processing
-        for name in (
-            "llama", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "mistral", "mixtral", "phi3",
-            "gemma", "olmo", "olmo2", "smollm3", "starcoder2", "stablelm", "ministral",
-        )
-    },
-    "gemma2": _final_logit_softcapping,
-    "gemma3": _final_logit_softcapping,
-    "gemma3_text": _final_logit_softcapping,
-    "vaultgemma": _final_logit_softcapping,
-    "cohere": _cohere_logit_scale,
-    "cohere2": _cohere_logit_scale,
-    "granite": _granite_logits_scaling,
-    "granitemoe": _granite_logits_scaling,
-}
-
-
-def register_architecture(model_type: str, reader: Callable[[nn.Module], PostProcessing]) -> None:
-    """Declares how a model type post-processes its logits, so `fused_head` accepts it.
-
-    Args:
-        model_type: `config.model_type` of the architecture.
-        reader: Given the causal-LM module, returns its `PostProcessing`
-            (`_no_post_processing` when `forward` returns `lm_head(hidden)` unchanged).
-    """
-    POST_PROCESSING[model_type] = reader
-
-
 # --------------------------------------------------------------------------------------
 # Finding the causal-LM module and its head through wrappers.
 # --------------------------------------------------------------------------------------
@@ -153,19 +72,6 @@ def unwrap_model(model: nn.Module) -> nn.Module:
         else:
             break
     return model
-
-
-def _post_processing(lm: nn.Module) -> PostProcessing:
-    model_type = getattr(getattr(lm, "config", None), "model_type", None)
-    reader = POST_PROCESSING.get(model_type)
-    if reader is None:
-        raise UnsupportedArchitectureError(
-            f"fused_head does not know how {type(lm).__name__} (model_type={model_type!r}) processes "
-            "its logits after lm_head, so it cannot guarantee the fused log-probs equal the model's. "
-            "Train with fused_head=False (CLI: --fused_head false), or declare the architecture with "
-            "fusedalign.head.register_architecture(model_type, reader) after checking its forward."
-        )
-    return reader(lm)
 
 
 def _is_lora_layer(module: nn.Module) -> bool:
@@ -354,7 +260,7 @@ def fused_head(
     if labels.dim() != 2:
         raise ValueError(f"fused_head: labels must be [batch, seq_len], got shape {tuple(labels.shape)}.")
     lm = unwrap_model(model)
-    post = _post_processing(lm)
+    post = post_processing_of(lm)
     state = FusedHead(labels, post, temperature, {"entropy": entropy, "logit_mean": logit_mean, "argmax": argmax})
     head = _head_module(lm)
     forward = _lora_forward(state) if _is_lora_layer(head) else _plain_forward(state)
