@@ -347,9 +347,9 @@ def build_ours(args, config: str, length: int, output_dir: str, rows: dict, toke
     from fusedalign.trainers.dpo import DPOTrainer
 
     class BenchDPOTrainer(DPOTrainer):
-        def _precompute(self, model, mode):
+        def _precompute_all(self, model, compute):
             with timer("precompute"):
-                return super()._precompute(model, mode)
+                return super()._precompute_all(model, compute)
 
     kwargs = common_training_args(args, length, output_dir)
     if args.device == "cpu":

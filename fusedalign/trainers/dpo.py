@@ -11,7 +11,6 @@ from typing import Any
 import torch
 from datasets import Dataset
 from torch import nn
-from torch.utils.data import DataLoader
 
 from fusedalign.configs import DPOConfig
 from fusedalign.data import DPOCollator, position_labels, prepare_dpo_dataset
@@ -20,10 +19,10 @@ from fusedalign.head import IGNORE_INDEX
 from fusedalign.losses import bco_reward_mean, check_dpo_args, dpo_losses
 from fusedalign.trainers.base import FusedAlignTrainer, Metrics, disable_dropout
 from fusedalign.trainers.common import prepare_models, tokenize_split
-from fusedalign.trainers.reference import PrecomputedLogps, Reference
+from fusedalign.trainers.reference import PrecomputedLogps, PrecomputedReferenceMixin, Reference
 
 
-class DPOTrainer(FusedAlignTrainer):
+class DPOTrainer(PrecomputedReferenceMixin, FusedAlignTrainer):
     """Direct Preference Optimization with the fused output head.
 
     Args:
@@ -102,42 +101,15 @@ class DPOTrainer(FusedAlignTrainer):
         if self.args.reference_free:
             return torch.zeros(rows, device=labels.device)
         if self.args.precompute_ref_log_probs:
-            cache = self._precomputed[mode]
-            if not cache.ready:
-                self._precompute_all(model)
-            values = cache.lookup(inputs["index"])  # [B, 2]: chosen, rejected
+            values = self.precomputed_reference(model, inputs["index"], mode, self._reference_rows)  # [B, 2]
             return torch.cat([values[:, 0], values[:, 1]]).to(labels.device)
         return self.reference.run(model, lambda m: self._sequence_logps(m, inputs, labels))
 
-    def _precompute_all(self, model: nn.Module) -> None:
-        """One reference pass over every split, then the reference model is let go.
-
-        Holding a frozen model only to look values up would cost its whole memory for
-        the rest of training, so once both splits are cached it is released.
-        """
-        for mode, dataset in (("train", self.train_dataset), ("eval", self.eval_dataset)):
-            if dataset is not None and not self._precomputed[mode].ready:
-                self._precompute(model, mode)
-        if self.ref_model is not None:
-            self.ref_model = self.reference.model = None
-            import gc
-
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-
-    def _precompute(self, model: nn.Module, mode: str) -> None:
-        dataset = self.train_dataset if mode == "train" else self.eval_dataset
-        loader = self.accelerator.prepare(
-            DataLoader(dataset, batch_size=self.args.per_device_eval_batch_size, collate_fn=self.data_collator, shuffle=False)
-        )
-
-        def compute(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-            labels = self._labels(batch)
-            logps = self.reference.run(model, lambda m: self._sequence_logps(m, batch, labels))
-            return torch.stack(logps.chunk(2), dim=-1)  # [B, 2]
-
-        self._precomputed[mode].build(loader, self.accelerator, len(dataset), compute)
+    def _reference_rows(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Reference log-probs of a batch, `[B, 2]`: chosen, rejected (for precomputing)."""
+        labels = self._labels(batch)
+        logps = self.reference.run(model, lambda m: self._sequence_logps(m, batch, labels))
+        return torch.stack(logps.chunk(2), dim=-1)
 
     # ------------------------------------------------------------------ loss
 

@@ -37,7 +37,6 @@ import torch
 import torch.nn.functional as F
 from datasets import Dataset, concatenate_datasets
 from torch import nn
-from torch.utils.data import DataLoader
 from transformers.utils import logging
 
 from fusedalign.configs import KTOConfig
@@ -47,7 +46,7 @@ from fusedalign.head import IGNORE_INDEX
 from fusedalign.losses import check_kto_args, kl_from_sums, kl_sums, kto_losses, kto_metrics
 from fusedalign.trainers.base import FusedAlignTrainer, Metrics, disable_dropout
 from fusedalign.trainers.common import prepare_models, tokenize_split
-from fusedalign.trainers.reference import PrecomputedLogps, Reference
+from fusedalign.trainers.reference import PrecomputedLogps, PrecomputedReferenceMixin, Reference
 
 logger = logging.get_logger(__name__)
 
@@ -168,7 +167,7 @@ def warn_on_class_balance(labels: Sequence[bool], args: KTOConfig) -> None:
 # ------------------------------------------------------------------ trainer
 
 
-class KTOTrainer(FusedAlignTrainer):
+class KTOTrainer(PrecomputedReferenceMixin, FusedAlignTrainer):
     """Kahneman-Tversky Optimization with the fused output head.
 
     Args:
@@ -258,25 +257,15 @@ class KTOTrainer(FusedAlignTrainer):
         logps = self._sequence_logps(model, _stack_rows(batch, self.data_collator.pad_token_id))[0]  # [2B]
         return logps[:rows], logps[rows:]
 
+    def _reference_rows(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Reference log-probs of a batch, `[B, 2]`: completion, KL pair (for precomputing)."""
+        return torch.stack(self.reference.run(model, lambda m: self._pair_logps(m, batch)), dim=-1)
+
     def _reference_logps(self, model: nn.Module, batch: dict[str, torch.Tensor], mode: str) -> tuple[torch.Tensor, torch.Tensor]:
         if self.args.precompute_ref_log_probs:
-            cache = self._precomputed[mode]
-            if not cache.ready:
-                self._precompute(model, mode)
-            values = cache.lookup(batch["index"])  # [B, 2]: completion, KL pair
+            values = self.precomputed_reference(model, batch["index"], mode, self._reference_rows)  # [B, 2]
             return values[:, 0], values[:, 1]
         return self.reference.run(model, lambda m: self._pair_logps(m, batch))
-
-    def _precompute(self, model: nn.Module, mode: str) -> None:
-        dataset = self.train_dataset if mode == "train" else self.eval_dataset
-        loader = self.accelerator.prepare(
-            DataLoader(dataset, batch_size=self.args.per_device_eval_batch_size, collate_fn=self.data_collator, shuffle=False)
-        )
-
-        def compute(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-            return torch.stack(self.reference.run(model, lambda m: self._pair_logps(m, batch)), dim=-1)  # [B, 2]
-
-        self._precomputed[mode].build(loader, self.accelerator, len(dataset), compute)
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
         batch_samples, total = super().get_batch_samples(epoch_iterator, num_batches, device)

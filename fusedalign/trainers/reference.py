@@ -91,3 +91,44 @@ class PrecomputedLogps:
         assert self.table is not None
         return self.table[index.cpu()].to(index.device)
 
+
+
+class PrecomputedReferenceMixin:
+    """For trainers with a reference model: `precompute_ref_log_probs`, done once.
+
+    Expects `self._precomputed = {"train": PrecomputedLogps(...), "eval": ...}`,
+    `self.ref_model` and the Trainer's datasets, collator and accelerator.
+    """
+
+    def precomputed_reference(
+        self, model: nn.Module, index: torch.Tensor, mode: str, compute: Callable[[nn.Module, dict], torch.Tensor]
+    ) -> torch.Tensor:
+        """Reference values `[B, K]` of the rows `index`, from the one pass over every split.
+
+        Args:
+            compute: `compute(model, batch) -> [rows, K]`, the reference values of a batch.
+        """
+        if not self._precomputed[mode].ready:
+            self._precompute_all(model, compute)
+        return self._precomputed[mode].lookup(index)
+
+    def _precompute_all(self, model: nn.Module, compute: Callable[[nn.Module, dict], torch.Tensor]) -> None:
+        """One reference pass over every split, then the reference model is let go.
+
+        Holding a frozen model only to look values up would cost its whole memory for
+        the rest of training, so once every split is cached it is released.
+        """
+        for mode, dataset in (("train", self.train_dataset), ("eval", self.eval_dataset)):
+            if dataset is None or self._precomputed[mode].ready:
+                continue
+            loader = self.accelerator.prepare(
+                DataLoader(dataset, batch_size=self.args.per_device_eval_batch_size, collate_fn=self.data_collator, shuffle=False)
+            )
+            self._precomputed[mode].build(loader, self.accelerator, len(dataset), lambda batch: compute(model, batch))
+        if self.ref_model is not None:
+            self.ref_model = self.reference.model = None
+            import gc
+
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
