@@ -14,12 +14,11 @@ from torch import nn
 
 from fusedalign.configs import DPOConfig
 from fusedalign.data import DPOCollator, position_labels, prepare_dpo_dataset
-from fusedalign.distributed import prepare_reference_model
 from fusedalign.head import IGNORE_INDEX
 from fusedalign.losses import bco_reward_mean, check_dpo_args, dpo_losses
-from fusedalign.trainers.base import FusedAlignTrainer, Metrics, disable_dropout
+from fusedalign.trainers.base import FusedAlignTrainer, Metrics
 from fusedalign.trainers.common import prepare_models, tokenize_split
-from fusedalign.trainers.reference import PrecomputedLogps, PrecomputedReferenceMixin, Reference
+from fusedalign.trainers.reference import PrecomputedReferenceMixin
 
 
 class DPOTrainer(PrecomputedReferenceMixin, FusedAlignTrainer):
@@ -62,14 +61,7 @@ class DPOTrainer(PrecomputedReferenceMixin, FusedAlignTrainer):
             model=models.model, args=args, data_collator=collator, train_dataset=train_dataset,
             eval_dataset=eval_dataset, processing_class=tokenizer, callbacks=callbacks,
         )
-        ref = models.ref_model
-        if ref is not None:
-            if args.disable_dropout:
-                disable_dropout(ref)
-            ref = prepare_reference_model(ref, self.accelerator)
-        self.ref_model = ref
-        self.reference = Reference(ref, use_adapter_disabled=models.is_peft and ref is None)
-        self._precomputed = {"train": PrecomputedLogps("train"), "eval": PrecomputedLogps("eval")}
+        self.setup_reference(models.ref_model, is_peft=models.is_peft)
         self._bco_delta = torch.zeros(())
         self._bco_seen = torch.zeros(2)  # sum and count of all rewards seen (all ranks)
 

@@ -41,12 +41,11 @@ from transformers.utils import logging
 
 from fusedalign.configs import KTOConfig
 from fusedalign.data import DataError, KTOCollator, position_labels, prepare_kto_dataset, unpair_preference_dataset
-from fusedalign.distributed import prepare_reference_model
 from fusedalign.head import IGNORE_INDEX
 from fusedalign.losses import check_kto_args, kl_from_sums, kl_sums, kto_losses, kto_metrics
-from fusedalign.trainers.base import FusedAlignTrainer, Metrics, disable_dropout
+from fusedalign.trainers.base import FusedAlignTrainer, Metrics
 from fusedalign.trainers.common import prepare_models, tokenize_split
-from fusedalign.trainers.reference import PrecomputedLogps, PrecomputedReferenceMixin, Reference
+from fusedalign.trainers.reference import PrecomputedReferenceMixin
 
 logger = logging.get_logger(__name__)
 
@@ -210,14 +209,7 @@ class KTOTrainer(PrecomputedReferenceMixin, FusedAlignTrainer):
             model=models.model, args=args, data_collator=KLPairCollator(tokenizer.pad_token_id),
             train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=tokenizer, callbacks=callbacks,
         )
-        ref = models.ref_model
-        if ref is not None:
-            if args.disable_dropout:
-                disable_dropout(ref)
-            ref = prepare_reference_model(ref, self.accelerator)
-        self.ref_model = ref
-        self.reference = Reference(ref, use_adapter_disabled=models.is_peft and ref is None)
-        self._precomputed = {"train": PrecomputedLogps("train"), "eval": PrecomputedLogps("eval")}
+        self.setup_reference(models.ref_model, is_peft=models.is_peft)
 
     @staticmethod
     def _prepare_split(dataset: Dataset | None, tokenizer: Any, args: KTOConfig, split: str) -> Dataset | None:

@@ -22,6 +22,9 @@ from torch import nn
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
+from fusedalign.distributed import prepare_reference_model
+from fusedalign.trainers.base import disable_dropout
+
 
 
 class Reference:
@@ -94,11 +97,20 @@ class PrecomputedLogps:
 
 
 class PrecomputedReferenceMixin:
-    """For trainers with a reference model: `precompute_ref_log_probs`, done once.
+    """For trainers with a reference model: its set-up, and `precompute_ref_log_probs` done once.
 
-    Expects `self._precomputed = {"train": PrecomputedLogps(...), "eval": ...}`,
-    `self.ref_model` and the Trainer's datasets, collator and accelerator.
+    Call `setup_reference` at the end of `__init__` (it needs the Trainer's accelerator).
     """
+
+    def setup_reference(self, ref_model: nn.Module | None, *, is_peft: bool) -> None:
+        """Prepares the frozen reference for the backend, or the adapter-disabled mode."""
+        if ref_model is not None:
+            if self.args.disable_dropout:
+                disable_dropout(ref_model)
+            ref_model = prepare_reference_model(ref_model, self.accelerator)
+        self.ref_model = ref_model
+        self.reference = Reference(ref_model, use_adapter_disabled=is_peft and ref_model is None)
+        self._precomputed = {"train": PrecomputedLogps("train"), "eval": PrecomputedLogps("eval")}
 
     def precomputed_reference(
         self, model: nn.Module, index: torch.Tensor, mode: str, compute: Callable[[nn.Module, dict], torch.Tensor]
