@@ -42,7 +42,9 @@ class TokenLogProbs(NamedTuple):
         logps: [B, T] float32 log-prob of each label, 0 where the label is ignored.
             Carries the gradient (through every hook the backend attached).
         entropy: [B, T] float32 entropy of the predictive distribution, detached, or None.
-        logit_mean: [B, T] float32 mean over the vocabulary of the logits, detached, or None.
+            0 where the label is ignored (those positions are not computed).
+        logit_mean: [B, T] float32 mean over the vocabulary of the logits, detached, or None;
+            0 where the label is ignored.
         argmax_match: [B, T] bool, whether the most likely token is the label, or None.
     """
 
@@ -303,8 +305,9 @@ def logprobs_from_logits(
     safe = labels.masked_fill(ignored, 0)
     logps = logprobs.gather(-1, safe.unsqueeze(-1)).squeeze(-1).masked_fill(ignored, 0.0)  # [B, T]
     with torch.no_grad():
-        ent = -(logprobs.exp() * logprobs).sum(-1) if entropy else None
-        mean = z.mean(-1) if logit_mean else None
+        # Statistics of scored positions only, 0 elsewhere, as the fused op gives them.
+        ent = (-(logprobs.exp() * logprobs).sum(-1)).masked_fill(ignored, 0.0) if entropy else None
+        mean = z.mean(-1).masked_fill(ignored, 0.0) if logit_mean else None
         match = (z.argmax(-1) == labels) & ~ignored if argmax else None
     return TokenLogProbs(logps, ent, mean, match)
 

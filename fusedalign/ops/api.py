@@ -48,7 +48,8 @@ def head_logprobs(
         hidden: [N, H] final hidden states (flatten batch and sequence first).
         weight: [V, H] output embedding, same dtype as `hidden`.
         labels: [N] integer, the token scored at each position; `ignore_index` where
-            nothing is scored (those positions give exactly 0 and no gradient).
+            nothing is scored. Those rows are not computed at all: they give exactly 0
+            (and False) in every output and no gradient.
         bias: [V] output bias, or None.
         temperature: divides z before the softmax; > 0.
         softcap: final-logit soft-capping value (Gemma 2 style), or None.
@@ -80,20 +81,43 @@ def head_logprobs(
     hidden, weight, bias, low_rank = _apply_autocast(hidden, weight, bias, low_rank)
     _check_tensors(hidden, weight, labels, bias, low_rank)
     impl = resolve_backend(backend, hidden.device, hidden.dtype)
+    ignore_index = _integer("ignore_index", ignore_index)
+    _check_label_range(labels, weight.shape[0], ignore_index)
+    labels = labels.long()
+    # Rows whose label is ignored (prompt positions, padding) are not computed at all:
+    # the backend sees the scored rows only and the results are scattered back.
+    scored = labels != ignore_index
+    rows = scored.nonzero().squeeze(1) if 0 < int(scored.sum()) < labels.shape[0] else None
+    if rows is not None:
+        hidden, labels = hidden.index_select(0, rows), labels.index_select(0, rows)
+        if low_rank is not None:
+            low_rank = LowRank(low_rank.down.index_select(0, rows), low_rank.up, low_rank.scale)
     n, v = hidden.shape[0], weight.shape[0]
     opts = HeadOptions(
         temperature=_positive("temperature", temperature),
         softcap=None if softcap is None else _positive("softcap", softcap),
         logit_scale=_finite("logit_scale", logit_scale),
-        ignore_index=_integer("ignore_index", ignore_index),
+        ignore_index=ignore_index,
         low_rank_scale=0.0 if low_rank is None else _finite("low_rank.scale", low_rank.scale),
         entropy=bool(entropy),
         logit_mean=bool(logit_mean),
         argmax=bool(argmax),
         chunk_rows=resolve_chunk_rows(n, v, hidden.device, chunk_size, memory_budget_bytes),
     )
-    _check_label_range(labels, v, opts.ignore_index)
-    return impl.run(hidden, weight, labels.long(), bias, low_rank, opts)
+    out = impl.run(hidden, weight, labels, bias, low_rank, opts)
+    return out if rows is None else _scatter_rows(out, rows, scored.shape[0])
+
+
+def _scatter_rows(out: HeadOutput, rows: Tensor, n: int) -> HeadOutput:
+    """Puts the results of the scored rows back at their positions; 0 / False elsewhere."""
+
+    def put(value: Tensor | None) -> Tensor | None:
+        if value is None:
+            return None
+        return value.new_zeros((n,)).index_copy(0, rows, value)
+
+    return out._replace(logps=put(out.logps), entropy=put(out.entropy), logit_mean=put(out.logit_mean),
+                        argmax_match=put(out.argmax_match))
 
 
 def reference_head_logprobs(

@@ -46,8 +46,9 @@ class HeadOutput(NamedTuple):
     Attributes:
         logps: [N] float32 (float64 for float64 inputs), log-prob of each label; exactly 0 (and no gradient) where
             labels == ignore_index.
-        entropy: [N] float32, detached entropy of softmax(z / T); None unless requested.
-        logit_mean: [N] float32, detached mean over the vocabulary of z; None unless requested.
+        entropy: [N] float32, detached entropy of softmax(z / T) (0 where ignored); None unless requested.
+        logit_mean: [N] float32, detached mean over the vocabulary of z (0 where ignored); None unless
+            requested.
         argmax_match: [N] bool, argmax_v z == label (False where ignored); None unless requested.
         backend: which backend ran: "torch-chunked", "triton" or "reference".
     """

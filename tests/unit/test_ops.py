@@ -234,8 +234,10 @@ def test_stats_match_oracle(case, backend):
     _, _, z = run_oracle(p, opts)
     z = z.detach()
     logq = torch.log_softmax(z / opts["temperature"], dim=-1)
-    want_entropy = -(logq.exp() * logq).sum(-1)
     valid = p["labels"] != -100
+    # Ignored rows are not computed: their statistics are 0 (False).
+    want_entropy = (-(logq.exp() * logq).sum(-1)).masked_fill(~valid, 0.0)
+    want_mean = z.mean(-1).masked_fill(~valid, 0.0)
     want_match = (z.argmax(-1) == p["labels"]) & valid
 
     out = head_logprobs(p["hidden"], p["weight"], p["labels"], p["bias"],
@@ -248,7 +250,7 @@ def test_stats_match_oracle(case, backend):
     assert out.argmax_match.dtype == torch.bool
     assert not (out.entropy.requires_grad or out.logit_mean.requires_grad)
     assert rel_err(out.entropy, want_entropy) <= 1e-6
-    assert rel_err(out.logit_mean, z.mean(-1)) <= 1e-6
+    assert rel_err(out.logit_mean, want_mean) <= 1e-6
     assert torch.equal(out.argmax_match, want_match)
     # The case must exercise both outcomes somewhere in the suite.
     if case == "everything":
@@ -406,7 +408,8 @@ def record_fwd_bwd(backend):
         loss = (out.logps * torch.randn(n, generator=gen)).sum()
     with bwd:
         loss.backward()
-    return n * v, fwd, bwd
+    # Ignored rows are never computed, so the unfused logits are [scored rows, V].
+    return int((labels != -100).sum()) * v, fwd, bwd
 
 
 def test_no_tensor_of_half_the_logits_is_ever_allocated():
@@ -475,3 +478,23 @@ def test_unavailable_backend_is_an_error_not_a_fallback():
         head_logprobs(**_bad(backend="triton"))
     with pytest.raises(ValueError, match="reference"):
         reference_head_logprobs(**_bad(backend="torch"))
+
+
+def test_ignored_rows_are_never_computed():
+    """The backend sees only the scored rows: a head over 1 scored row of 64 costs 1 x V."""
+    n, v, h = 64, 5000, 8
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(n, h, generator=gen).requires_grad_()
+    weight = torch.randn(v, h, generator=gen).requires_grad_()
+    labels = torch.full((n,), -100)
+    labels[17] = 3
+    rec = NumelRecorder()
+    with rec:
+        out = head_logprobs(hidden, weight, labels, entropy=True, backend="reference")
+        out.logps.sum().backward()
+    # The largest tensor is the weight's gradient (V x 8); 64 x V logits would be 8x it.
+    assert rec.max_numel <= v * h, rec.max_numel
+    assert out.logps.shape == out.entropy.shape == (n,)
+    assert out.logps[17] != 0 and out.entropy[17] > 0
+    assert (out.logps[labels == -100] == 0).all() and (out.entropy[labels == -100] == 0).all()
+    assert (hidden.grad[labels == -100] == 0).all() and hidden.grad[17].abs().sum() > 0
