@@ -5,6 +5,8 @@ loaded by path) and the same synthetic preference data, each of:
 
     ours_fused     fusedalign.DPOTrainer, fused head (the default)
     ours_fused_liger  ours fused, plus Liger's RMSNorm/SwiGLU/RoPE kernels (liger_kernels=True)
+    ours_fused_compile  ours fused, decoder layers torch.compile'd (compile_layers=True)
+    ours_fused_compile_liger  both of the above
     ours_unfused   fusedalign.DPOTrainer, fused_head=False (full logits)
     trl            trl.DPOTrainer                           (when `import trl` works)
     trl_liger      trl.DPOTrainer, use_liger_kernel=True    (and liger_kernel imports)
@@ -77,8 +79,10 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # this working tree's fusedalign, however it is installed
 
-CONFIGS = ("ours_fused", "ours_fused_liger", "ours_unfused", "trl", "trl_liger")
-CHECKED = ("ours_fused", "ours_unfused", "trl")  # must agree on the first steps
+CONFIGS = ("ours_fused", "ours_fused_liger", "ours_fused_compile", "ours_fused_compile_liger", "ours_unfused",
+           "trl", "trl_liger")
+OURS_LIGER = ("ours_fused_liger", "ours_fused_compile_liger")
+CHECKED = ("ours_fused", "ours_fused_compile", "ours_unfused", "trl")  # must agree on the first steps
 SEARCH_CONFIGS = ("ours_fused", "trl_liger")
 LN2 = math.log(2.0)
 
@@ -130,6 +134,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--search_min", type=int, default=0,
                    help="a length known to fit, not probed (skips probes below it); default: none")
     p.add_argument("--search_max", type=int, default=None, help="default 32768 (--tiny: 256)")
+    p.add_argument("--profile", action="store_true",
+                   help="profile one extra step after the timed ones (not timed) and print its top CUDA kernels")
     p.add_argument("--gpu", type=int, default=0, help="which visible GPU the runs use (one at a time)")
     p.add_argument("--worker_timeout", type=int, default=1200, help="seconds per subprocess")
     p.add_argument("--log_dir", default=None, help="worker logs (default: a temporary folder, kept)")
@@ -181,7 +187,7 @@ def worker_argv(args: argparse.Namespace, config: str, length: int, result: str,
             "--seed", str(args.seed), "--model_dir", args.model_dir]
     if args.fake_oom_above is not None:
         argv += ["--fake_oom_above", str(args.fake_oom_above)]
-    for flag in ("tiny", "gradient_checkpointing", "precompute_ref_log_probs"):
+    for flag in ("tiny", "gradient_checkpointing", "precompute_ref_log_probs", "profile"):
         if getattr(args, flag):
             argv.append("--" + flag)
     return argv
@@ -236,15 +242,18 @@ def availability(device: str) -> dict[str, str | None]:
     except Exception as e:  # noqa: BLE001 - any import failure is a reason to skip
         reasons["trl"] = f"`import trl` failed: {type(e).__name__}: {e}"
     reasons["trl_liger"] = reasons["trl"]
-    if reasons["trl_liger"] is None:
-        if device != "cuda":
-            reasons["trl_liger"] = "Liger's kernels are Triton kernels: they need a GPU"
-        else:
-            try:
-                import liger_kernel  # noqa: F401
-                from liger_kernel.transformers import _apply_liger_kernel_to_instance  # noqa: F401
-            except Exception as e:  # noqa: BLE001
-                reasons["trl_liger"] = f"`import liger_kernel` failed: {type(e).__name__}: {e}"
+    liger = None
+    if device != "cuda":
+        liger = "Liger's kernels are Triton kernels: they need a GPU"
+    else:
+        try:
+            import liger_kernel  # noqa: F401
+            from liger_kernel.transformers import _apply_liger_kernel_to_instance  # noqa: F401
+        except Exception as e:  # noqa: BLE001
+            liger = f"`import liger_kernel` failed: {type(e).__name__}: {e}"
+    reasons["trl_liger"] = reasons["trl_liger"] or liger
+    for config in OURS_LIGER:
+        reasons[config] = liger
     return reasons
 
 
@@ -287,7 +296,7 @@ def synthetic_rows(args: argparse.Namespace, length: int, vocab: int) -> dict[st
     """
     import numpy as np
 
-    rows = (args.warmup_steps + args.timed_steps) * args.pairs
+    rows = (args.warmup_steps + args.timed_steps + int(args.profile)) * args.pairs
     rng = np.random.default_rng([args.seed, length])
     completion = length - args.prompt_length
     half = vocab // 2
@@ -297,7 +306,8 @@ def synthetic_rows(args: argparse.Namespace, length: int, vocab: int) -> dict[st
     return {"prompt_ids": prompt.tolist(), "chosen_ids": chosen.tolist(), "rejected_ids": rejected.tolist()}
 
 
-def make_callback(sync):
+def make_callback(sync, profile_step: int | None = None):
+    """Times every step; with `profile_step`, profiles that step (0-based) with torch.profiler."""
     from transformers import TrainerCallback
 
     class StepTimer(TrainerCallback):
@@ -305,14 +315,25 @@ def make_callback(sync):
             self.begin: list[float] = []
             self.end: list[float] = []
             self.logs: list[dict] = []
+            self.profiler = None
+            self.profile: dict | None = None
 
         def on_step_begin(self, args, state, control, **kwargs):
             sync()
+            if profile_step is not None and len(self.begin) == profile_step:
+                import torch.profiler as tp
+
+                self.profiler = tp.profile(activities=[tp.ProfilerActivity.CPU, tp.ProfilerActivity.CUDA])
+                self.profiler.start()
             self.begin.append(time.perf_counter())
 
         def on_step_end(self, args, state, control, **kwargs):
             sync()
             self.end.append(time.perf_counter())
+            if self.profiler is not None:
+                self.profiler.stop()
+                self.profile = summarise_profile(self.profiler, self.end[-1] - self.begin[-1])
+                self.profiler = None
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "loss" in logs:
@@ -320,6 +341,16 @@ def make_callback(sync):
                                                                   if isinstance(v, (int, float))}})
 
     return StepTimer()
+
+
+def summarise_profile(prof, step_s: float) -> dict:
+    """The profiled step's top CUDA kernels and how busy the GPU was."""
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0)]
+    kernels = sorted(((e.key, e.self_device_time_total / 1e3, e.count) for e in events
+                      if e.self_device_time_total > 0), key=lambda x: -x[1])
+    busy = sum(ms for _, ms, _ in kernels)
+    return {"step_ms": step_s * 1e3, "gpu_busy_ms": busy,
+            "top": [{"kernel": k[:110], "ms": round(ms, 3), "calls": c} for k, ms, c in kernels[:40]]}
 
 
 def common_training_args(args: argparse.Namespace, length: int, output_dir: str) -> dict:
@@ -331,7 +362,7 @@ def common_training_args(args: argparse.Namespace, length: int, output_dir: str)
         gradient_checkpointing=args.gradient_checkpointing,
         gradient_checkpointing_kwargs={"use_reentrant": False} if args.gradient_checkpointing else None,
         precompute_ref_log_probs=args.precompute_ref_log_probs,
-        max_steps=args.warmup_steps + args.timed_steps, learning_rate=args.learning_rate,
+        max_steps=args.warmup_steps + args.timed_steps + int(args.profile), learning_rate=args.learning_rate,
         beta=args.beta, loss_type=["sigmoid"], lr_scheduler_type="linear",
         warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, seed=args.seed, data_seed=args.seed,
         train_sampling_strategy="sequential", disable_dropout=True,
@@ -355,8 +386,8 @@ def build_ours(args, config: str, length: int, output_dir: str, rows: dict, toke
     if args.device == "cpu":
         kwargs.pop("use_cpu")  # fusedalign switches to the CPU itself when there is no accelerator
     training_args = DPOConfig(
-        **kwargs, fused_head=config.startswith("ours_fused"), liger_kernels=config == "ours_fused_liger",
-        max_prompt_length=None,
+        **kwargs, fused_head=config.startswith("ours_fused"), liger_kernels=config in OURS_LIGER,
+        compile_layers="compile" in config, max_prompt_length=None,
     )
     trainer = BenchDPOTrainer(model=args.model_dir, args=training_args, train_dataset=None,
                               processing_class=tokenizer, callbacks=[callback])
@@ -427,7 +458,7 @@ def run_worker(args: argparse.Namespace) -> int:
         tokenizer = load_tokenizer("builtin:tiny-qwen2")
         vocab = model_config(args).vocab_size
         rows = synthetic_rows(args, length, vocab)
-        callback = make_callback(sync)
+        callback = make_callback(sync, args.warmup_steps + args.timed_steps if args.profile else None)
         output_dir = os.path.join(os.path.dirname(os.path.abspath(args.result)), f"out-{config}-{length}")
         build = build_ours if config.startswith("ours") else build_trl
         with timer("init"):
@@ -438,13 +469,13 @@ def run_worker(args: argparse.Namespace) -> int:
             if args.fake_oom_above is not None and length > args.fake_oom_above:
                 raise torch.cuda.OutOfMemoryError(f"fake OOM above {args.fake_oom_above} (--fake_oom_above)")
             trainer.train()
-        steps = args.warmup_steps + args.timed_steps
+        steps = args.warmup_steps + args.timed_steps + int(args.profile)
         tokens_per_step = 2 * args.pairs * length
         if len(callback.begin) != steps or len(callback.end) != steps:
             raise RuntimeError(f"expected {steps} steps, timed {len(callback.begin)} begins / {len(callback.end)} ends")
-        w = args.warmup_steps
-        step_times = [e - b for b, e in zip(callback.begin[w:], callback.end[w:])]
-        loop_times = [callback.end[i] - callback.end[i - 1] for i in range(w, steps)]
+        w, timed_end = args.warmup_steps, args.warmup_steps + args.timed_steps  # the profiled step is not timed
+        step_times = [e - b for b, e in zip(callback.begin[w:timed_end], callback.end[w:timed_end])]
+        loop_times = [callback.end[i] - callback.end[i - 1] for i in range(w, timed_end)]
         median = statistics.median(step_times)
         precompute = timings.get("precompute", 0.0)
         if args.precompute_ref_log_probs and precompute == 0.0:
@@ -459,7 +490,7 @@ def run_worker(args: argparse.Namespace) -> int:
             tokens_per_s_train=steps * tokens_per_step / train_wall,
             precompute_s=precompute, train_s=timings["train"], init_s=timings["init"],
             peak_gib=peak(), reserved_gib=torch.cuda.max_memory_reserved() / 2**30 if cuda else None,
-            logs=callback.logs,
+            logs=callback.logs, profile=callback.profile,
         )
     except torch.cuda.OutOfMemoryError as e:
         result.update(status="OOM", peak_gib=peak(), error=(str(e).splitlines() or ["OutOfMemoryError"])[0][:300])
@@ -470,7 +501,12 @@ def run_worker(args: argparse.Namespace) -> int:
                       error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300])
         traceback.print_exc()
     write()
-    log(json.dumps({k: v for k, v in result.items() if k not in ("logs", "step_times")}))
+    log(json.dumps({k: v for k, v in result.items() if k not in ("logs", "step_times", "profile")}))
+    if result.get("profile"):
+        prof = result["profile"]
+        log(f"profile of one step: {prof['step_ms']:.1f} ms wall, GPU kernels {prof['gpu_busy_ms']:.1f} ms")
+        for row in prof["top"]:
+            log(f"  {row['ms']:9.3f} ms {row['calls']:6d}x  {row['kernel']}")
     return 0 if result["status"] in ("ok", "OOM") else 1
 
 
@@ -630,16 +666,20 @@ def check_agreement(length: int, results: dict[str, dict], args) -> str:
 
 
 def targets(length: int, results: dict[str, dict]) -> None:
-    ours = results.get("ours_fused_liger") or results.get("ours_fused", {})
     base = results.get("trl_liger", {})
-    if ours.get("status") != "ok" or base.get("status") != "ok":
+    if base.get("status") != "ok":
         return
-    speed = ours["tokens_per_s"] / base["tokens_per_s"]
-    line = f"Targets at {length} (issue 6): speed {speed:.2f}x TRL+Liger (>= 1.3: {'met' if speed >= 1.3 else 'NOT met'})"
-    if ours.get("peak_gib") and base.get("peak_gib"):
-        mem = ours["peak_gib"] / base["peak_gib"]
-        line += f"; memory {mem:.2f}x (<= 0.8: {'met' if mem <= 0.8 else 'NOT met'})"
-    log(line)
+    for config in CONFIGS:
+        ours = results.get(config, {})
+        if not config.startswith("ours_fused") or ours.get("status") != "ok":
+            continue
+        speed = ours["tokens_per_s"] / base["tokens_per_s"]
+        line = (f"Targets at {length} (issue 6), {config}: speed {speed:.2f}x TRL+Liger "
+                f"(>= 1.3: {'met' if speed >= 1.3 else 'NOT met'})")
+        if ours.get("peak_gib") and base.get("peak_gib"):
+            mem = ours["peak_gib"] / base["peak_gib"]
+            line += f"; memory {mem:.2f}x (<= 0.8: {'met' if mem <= 0.8 else 'NOT met'})"
+        log(line)
 
 
 def benchmark(args, skipped) -> dict:
@@ -660,6 +700,12 @@ def benchmark(args, skipped) -> dict:
                     f"losses {', '.join(f'{x:.4f}' for x in first(r, 'loss'))} ({r['wall_s']:.0f} s)")
             else:
                 log(f"  {config}: {r['status']} ({r.get('error', '')[:200]})")
+            if r.get("profile"):
+                prof = r["profile"]
+                log(f"  {config} profile (one extra step): {prof['step_ms']:.1f} ms wall, GPU kernels "
+                    f"{prof['gpu_busy_ms']:.1f} ms; top kernels:")
+                for row in prof["top"][:25]:
+                    log(f"    {row['ms']:9.3f} ms {row['calls']:6d}x  {row['kernel']}")
         log("\n" + table(length, results, skipped, args) + "\n")
         verdict = check_agreement(length, results, args)
         if verdict == "void":

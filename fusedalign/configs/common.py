@@ -66,6 +66,11 @@ class FusedAlignConfig(TrainingArguments):
         metadata={"help": "Also use Liger's RMSNorm/SwiGLU/RoPE kernels (CUDA, liger-kernel installed); "
                   "set by --use_liger_kernel. The head is always fusedalign's."},
     )
+    compile_layers: bool = field(
+        default=False,
+        metadata={"help": "torch.compile each decoder layer's forward (policy and reference); the head stays "
+                  "the fused op. Not under DeepSpeed ZeRO-3. --torch_compile is accepted as an alias."},
+    )
     max_length: int | None = field(default=1024, metadata={"help": "Maximum tokens of prompt + completion."})
     dataset_num_proc: int | None = field(default=None)
     logging_steps: float = field(default=1)
@@ -81,6 +86,14 @@ class FusedAlignConfig(TrainingArguments):
             self.fused_head = True
             self.liger_kernels = True
             self.use_liger_kernel = False
+        # Trainer's own torch_compile compiles the whole model, head included; here it
+        # means compiling the decoder layers, with the fused head left as it is.
+        # Its backend and mode, when given, are used for the layers.
+        self._layer_compile_options = {"backend": self.torch_compile_backend or "inductor",
+                                       "mode": self.torch_compile_mode}
+        if self.torch_compile or self.torch_compile_backend is not None or self.torch_compile_mode is not None:
+            self.compile_layers = True
+            self.torch_compile, self.torch_compile_backend, self.torch_compile_mode = False, None, None
         # No accelerator present: train on the CPU, also under DeepSpeed and FSDP2
         # (distributed.py knows how each backend is brought up there).
         configure_cpu_arguments(self)

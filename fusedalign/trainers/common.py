@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from transformers.utils import logging
 
-from fusedalign.kernels import apply_liger_kernels
+from fusedalign.kernels import apply_liger_kernels, compile_decoder_layers
 from fusedalign.models import load_model, load_tokenizer
 from fusedalign.trainers.base import disable_dropout
 
@@ -73,6 +73,14 @@ def prepare_models(
         ref_model = load_model(ref_path, dtype=_dtype(args) or getattr(model, "dtype", None))
     if ref_model is not None and getattr(args, "liger_kernels", False):
         apply_liger_kernels(ref_model)
+    if getattr(args, "compile_layers", False):
+        from transformers.integrations import is_deepspeed_zero3_enabled
+
+        for m in (model, ref_model):
+            if m is not None:
+                compile_decoder_layers(
+                    m, zero3=is_deepspeed_zero3_enabled(), **getattr(args, "_layer_compile_options", {})
+                )
     return Models(model, ref_model, tokenizer, is_peft)
 
 
