@@ -10,7 +10,9 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -50,26 +52,94 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in unwrap_model(model).modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
+# The recompute policies of `compile_decoder_layers`, as torch._functorch partitioner
+# settings. "elementwise": torch's min-cut partitioner may recompute any element-wise op
+# (norms, SiLU * up, RoPE, casts, residual adds) in the backward instead of saving its
+# output, even far from its use or in long chains; matmuls and attention are never
+# recomputed (they are not recomputable ops for it), so no FLOP is added. "default":
+# torch's own runtime-first choice.
+RECOMPUTE_POLICIES: dict[str, dict[str, bool]] = {
+    "elementwise": {
+        "ban_recompute_used_far_apart": False,
+        "ban_recompute_long_fusible_chains": False,
+        "ban_recompute_materialized_backward": False,
+    },
+    "default": {},
+}
+
+
+def _partitioner_settings(policy: str) -> dict[str, bool]:
+    import torch._functorch.config as functorch_config
+
+    wanted = RECOMPUTE_POLICIES[policy]
+    settings = {k: v for k, v in wanted.items() if hasattr(functorch_config, k)}
+    if len(settings) != len(wanted):
+        logger.warning(
+            "compile_recompute=%r: this torch (%s) lacks partitioner settings %s; they are not applied.",
+            policy, torch.__version__, sorted(set(wanted) - set(settings)),
+        )
+    return settings
+
+
+@functools.lru_cache(maxsize=None)
+def _backend_with(backend: str, policy: str) -> Callable:
+    """`backend` whose compilations (first call, recompiles) see the policy's partitioner settings.
+
+    One object per (backend, policy): dynamo keeps compiled code per backend object, so
+    every layer shares one graph, and two policies in one process never share a graph.
+    """
+    import torch._functorch.config as functorch_config
+
+    settings = _partitioner_settings(policy)
+    inner = torch._dynamo.lookup_backend(backend)
+
+    def with_settings(graph: Any, example_inputs: Any) -> Any:
+        with functorch_config.patch(settings):
+            return inner(graph, example_inputs)
+
+    return with_settings
+
+
 def compile_decoder_layers(
-    model: nn.Module, *, zero3: bool = False, backend: str = "inductor", mode: str | None = None
+    model: nn.Module,
+    *,
+    zero3: bool = False,
+    recompute: str = "elementwise",
+    backend: str = "inductor",
+    mode: str | None = None,
 ) -> int:
     """Replaces each decoder layer's `forward` by its `torch.compile`d version, in place.
 
     Every layer of a model runs the same code, so dynamo compiles it once per input
     shape signature (and once more for no-grad forwards, such as the reference's).
 
+    Args:
+        model: The model (under PEFT or other wrappers is fine).
+        zero3: Whether DeepSpeed ZeRO-3 is on (refused, see Raises).
+        recompute: "elementwise" (default; saves only what matmuls and attention need,
+            recomputing element-wise ops in the backward) or "default" (torch's choice).
+        backend, mode: passed to `torch.compile`.
+
     Returns:
         How many layers were compiled.
 
     Raises:
         ValueError: under DeepSpeed ZeRO-3, whose per-module parameter hooks would have
-            to run inside the compiled code; or when no decoder layer is found.
+            to run inside the compiled code; when no decoder layer is found; or for an
+            unknown `recompute`.
     """
     if zero3:
         raise ValueError(
             "compile_layers (--compile_layers / --torch_compile) is not supported under DeepSpeed ZeRO-3: its "
             "parameter hooks sit on every Linear inside a decoder layer, where compiled code would run them. "
             "Use it on one device, DDP, ZeRO-2 or FSDP2; under ZeRO-3 use gradient checkpointing instead."
+        )
+    if recompute not in RECOMPUTE_POLICIES:
+        raise ValueError(f"compile_recompute must be one of {sorted(RECOMPUTE_POLICIES)}, got {recompute!r}.")
+    if recompute != "default" and mode is not None:
+        raise ValueError(
+            f"torch_compile_mode={mode!r} needs compile_recompute='default' (a mode brings its own inductor "
+            "options); or leave the mode unset."
         )
     layers = decoder_layers(model)
     if not layers:
@@ -79,6 +149,9 @@ def compile_decoder_layers(
         )
     for layer in layers:
         if not getattr(layer, "_fusedalign_compiled", False):
-            layer.forward = torch.compile(layer.forward, backend=backend, mode=mode)
+            if recompute == "default":
+                layer.forward = torch.compile(layer.forward, backend=backend, mode=mode)
+            else:
+                layer.forward = torch.compile(layer.forward, backend=_backend_with(backend, recompute))
             layer._fusedalign_compiled = True
     return len(layers)

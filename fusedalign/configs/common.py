@@ -71,6 +71,12 @@ class FusedAlignConfig(TrainingArguments):
         metadata={"help": "torch.compile each decoder layer's forward (policy and reference); the head stays "
                   "the fused op. Not under DeepSpeed ZeRO-3. --torch_compile is accepted as an alias."},
     )
+    compile_recompute: str = field(
+        default="elementwise",
+        metadata={"help": "With compile_layers: 'elementwise' recomputes element-wise ops (norms, activations, "
+                  "RoPE) in the backward instead of saving them, never a matmul or attention (less memory, "
+                  "same FLOPs); 'default' is torch's own choice.", "choices": ["elementwise", "default"]},
+    )
     max_length: int | None = field(default=1024, metadata={"help": "Maximum tokens of prompt + completion."})
     dataset_num_proc: int | None = field(default=None)
     logging_steps: float = field(default=1)
@@ -91,6 +97,11 @@ class FusedAlignConfig(TrainingArguments):
         # Its backend and mode, when given, are used for the layers.
         self._layer_compile_options = {"backend": self.torch_compile_backend or "inductor",
                                        "mode": self.torch_compile_mode}
+        if self.torch_compile_mode is not None and self.compile_recompute != "default":
+            raise ValueError(
+                f"--torch_compile_mode {self.torch_compile_mode} needs --compile_recompute default (a compile mode "
+                f"brings its own inductor options), not {self.compile_recompute!r}; or leave the mode unset."
+            )
         if self.torch_compile or self.torch_compile_backend is not None or self.torch_compile_mode is not None:
             self.compile_layers = True
             self.torch_compile, self.torch_compile_backend, self.torch_compile_mode = False, None, None

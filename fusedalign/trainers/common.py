@@ -79,7 +79,8 @@ def prepare_models(
         for m in (model, ref_model):
             if m is not None:
                 compile_decoder_layers(
-                    m, zero3=is_deepspeed_zero3_enabled(), **getattr(args, "_layer_compile_options", {})
+                    m, zero3=is_deepspeed_zero3_enabled(), recompute=getattr(args, "compile_recompute", "elementwise"),
+                    **getattr(args, "_layer_compile_options", {}),
                 )
     return Models(model, ref_model, tokenizer, is_peft)
 

@@ -32,6 +32,7 @@ def build_trainer(spec: dict, out_dir: str):
         gradient_accumulation_steps=spec.get("grad_accum", 1), train_sampling_strategy="sequential",
         logging_steps=1, save_strategy="no", seed=0, data_seed=0, fused_head=spec["fused"], report_to="none",
         dataloader_drop_last=False, max_length=spec.get("max_length", 64),
+        compile_layers=spec.get("compile", False),
     )
     peft_config = None
     if spec.get("peft"):
@@ -90,6 +91,9 @@ def run(spec: dict, out_root: str) -> None:
 
     out_dir = os.path.join(out_root, spec["name"])
     trainer = build_trainer(spec, out_dir)
+    from torch._dynamo.utils import counters
+
+    graphs_before = counters["stats"]["unique_graphs"]
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     result = {
@@ -100,6 +104,8 @@ def run(spec: dict, out_root: str) -> None:
         "distributed_type": str(trainer.accelerator.distributed_type),
         "wrapper": type(trainer.model_wrapped).__name__,
         "model_class": type(trainer.model).__name__,
+        # Graphs dynamo compiled while training (0 unless the layers were compiled).
+        "compiled_graphs": counters["stats"]["unique_graphs"] - graphs_before,
     }
     if spec.get("evaluate"):
         metrics = trainer.evaluate()

@@ -51,3 +51,15 @@ def test_zero3_fused_dpo_cli_trains_and_equals_one_process(tmp_path):
     for key in want:  # Adam amplifies rounding; still far below any real difference
         torch.testing.assert_close(got[key], want[key], rtol=1e-4, atol=1e-5, msg=key)
     assert (tmp_path / "zero3" / "tokenizer.json").is_file() and (tmp_path / "zero3" / "training_curves.png").is_file()
+
+
+def test_zero3_refuses_compiled_layers_with_a_clear_error(tmp_path):
+    """--torch_compile under ZeRO-3 stops before training, naming the flag and what to use."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_CONFIGS / "zero3.yaml"),
+           "--main_process_port", str(_free_port()), "-m", "fusedalign", *COMMON, "--per_device_train_batch_size", "4",
+           "--torch_compile", "--output_dir", str(tmp_path / "out")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(cmd, cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0
+    assert "not supported under DeepSpeed ZeRO-3" in proc.stderr + proc.stdout, proc.stderr[-3000:]
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()

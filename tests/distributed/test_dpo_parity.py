@@ -26,6 +26,7 @@ BASELINE = [
     {**DPO, "name": "qwen2_fused", "fused": True, "per_device_batch": 4, "evaluate": True},
     {**DPO, "name": "grad_accum", "fused": True, "per_device_batch": 2, "grad_accum": 2, "evaluate": True},
     {**DPO, "name": "precompute", "fused": True, "per_device_batch": 4, "precompute": True, "evaluate": True},
+    {**DPO, "name": "compiled", "fused": True, "per_device_batch": 4, "compile": True, "evaluate": True},
 ]
 
 # Per backend: (scenario spec, baseline it must equal). 2 processes x 2 pairs per step.
@@ -33,9 +34,11 @@ _common = [
     ({**DPO, "name": "fused", "fused": True, "per_device_batch": 2, "evaluate": True}, "qwen2"),
     ({**DPO, "name": "unfused", "fused": False, "per_device_batch": 2, "evaluate": True}, "qwen2"),
 ]
+# torch.compile'd decoder layers (refused under ZeRO-3, see test_kernels.py).
+_compiled = ({**DPO, "name": "compiled", "fused": True, "per_device_batch": 2, "compile": True}, "qwen2")
 SCENARIOS: dict[str, list[tuple[dict, str]]] = {
-    "ddp": list(_common),
-    "zero2": list(_common),
+    "ddp": _common + [_compiled],
+    "zero2": _common + [_compiled],
     "zero3": _common + [
         ({**DPO, "name": "tied", "fused": True, "per_device_batch": 2, "model": "builtin:tiny-llama"}, "llama"),
         ({**DPO, "name": "lora", "fused": True, "per_device_batch": 2, "peft": True}, "lora"),
@@ -43,6 +46,7 @@ SCENARIOS: dict[str, list[tuple[dict, str]]] = {
     ],
     "fsdp2": _common + [
         ({**DPO, "name": "tied", "fused": True, "per_device_batch": 2, "model": "builtin:tiny-llama"}, "llama"),
+        _compiled,
     ],
 }
 CASES = [(backend, spec["name"], want) for backend in BACKENDS for spec, want in SCENARIOS[backend]]
@@ -69,6 +73,11 @@ def test_gradient_accumulation_2x2_equals_1x4(runs):
 def test_precomputed_reference_equals_reference_forward(runs):
     single = runs(None)
     assert_same_training(single, "precompute", single, "qwen2", backend=None)
+
+
+def test_compiled_layers_equal_eager(runs):
+    single = runs(None)
+    assert_same_training(single, "compiled", single, "qwen2", backend=None)
 
 
 def test_lora_baseline_trains_the_adapter(runs):
