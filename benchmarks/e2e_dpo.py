@@ -345,7 +345,7 @@ def make_callback(sync, profile_step: int | None = None):
 
 def summarise_profile(prof, step_s: float) -> dict:
     """The profiled step's top CUDA kernels and how busy the GPU was."""
-    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0)]
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]  # kernels, not the ops launching them
     kernels = sorted(((e.key, e.self_device_time_total / 1e3, e.count) for e in events
                       if e.self_device_time_total > 0), key=lambda x: -x[1])
     busy = sum(ms for _, ms, _ in kernels)
