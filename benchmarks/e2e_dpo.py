@@ -131,6 +131,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max_length_search", action="store_true",
                    help="with gradient checkpointing, the longest length that fits at --pairs pairs")
     p.add_argument("--search_step", type=int, default=None, help="default 1024 (--tiny: 64)")
+    p.add_argument("--memory_fit", type=int, nargs="+", default=None, metavar="LENGTH",
+                   help="with gradient checkpointing: peak memory at these lengths (2 steps each), a "
+                        "least-squares line through them, and the length where it reaches the GPU's memory "
+                        "(a prediction, labelled so; cheaper than --max_length_search at long lengths)")
+    p.add_argument("--verify_fit", action="store_true",
+                   help="with --memory_fit: also train 2 steps at each predicted length (rounded down to "
+                        "--search_step) to check that it fits")
     p.add_argument("--search_min", type=int, default=0,
                    help="a length known to fit, not probed (skips probes below it); default: none")
     p.add_argument("--search_max", type=int, default=None, help="default 32768 (--tiny: 256)")
@@ -168,7 +175,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                 f"{args.per_device_train_batch_size}")
     if args.warmup_steps < 1 or args.timed_steps < 1:
         p.error("need --warmup_steps >= 1 (the first step holds start-up costs) and --timed_steps >= 1")
-    if args.max_length_search:
+    if args.max_length_search or args.memory_fit:
         args.gradient_checkpointing = True
     for length in args.lengths:
         if length <= args.prompt_length:
@@ -261,7 +268,8 @@ def model_config(args: argparse.Namespace):
     from transformers import Qwen2Config
 
     shape = TINY if args.tiny else QWEN05B
-    longest = max(max(args.lengths), args.search_max if args.max_length_search else 0, 4096)
+    longest = max(max(args.lengths), args.search_max if args.max_length_search else 0, 4096,
+                  max(args.memory_fit or [0]) * 16)
     return Qwen2Config(
         **shape, tie_word_embeddings=True, max_position_embeddings=max(32768, longest),
         hidden_act="silu", attention_dropout=0.0, use_sliding_window=False, use_cache=False,
@@ -490,6 +498,7 @@ def run_worker(args: argparse.Namespace) -> int:
             tokens_per_s_train=steps * tokens_per_step / train_wall,
             precompute_s=precompute, train_s=timings["train"], init_s=timings["init"],
             peak_gib=peak(), reserved_gib=torch.cuda.max_memory_reserved() / 2**30 if cuda else None,
+            total_gib=torch.cuda.get_device_properties(0).total_memory / 2**30 if cuda else None,
             logs=callback.logs, profile=callback.profile,
         )
     except torch.cuda.OutOfMemoryError as e:
@@ -621,7 +630,9 @@ def check_agreement(length: int, results: dict[str, dict], args) -> str:
     log(f"\nAgreement at length {length} ({', '.join(present) or 'no runs'}; loss within "
         f"{args.loss_atol:g}, step-1 logps within {args.logps_atol:g} nats):")
     if stand_in:
-        log("  (trl did not run: trl_liger stands in for it; Liger's layer kernels add their own rounding)")
+        log("  (trl did not run: trl_liger stands in for it, on the step-1 logps only. Its losses are shown, not "
+            "checked: TRL applies Liger's kernels to the policy but not to the reference model, so policy and "
+            "reference differ by kernel rounding from step 1 and its first loss is not ln 2)")
     missing = [c for c in CHECKED if c in args.configs and not ran(c)]
     if len(present) < 2:
         log("  COMPARISON INCOMPLETE: fewer than two of the checked trainers ran"
@@ -635,6 +646,8 @@ def check_agreement(length: int, results: dict[str, dict], args) -> str:
             log(f"  {key:15s} {c:13s} " + ", ".join(f"{x:.4f}" for x in series[c]))
         ref = series[present[0]]
         for c in present[1:]:
+            if c == stand_in and key == "loss":
+                continue
             if len(series[c]) != len(ref) or not ref:
                 log(f"  !! {key}: {c} logged {len(series[c])} values, {present[0]} {len(ref)}")
                 ok = False
@@ -772,6 +785,56 @@ def search(args, skipped) -> dict:
     return out
 
 
+def memory_fit(args, skipped) -> dict:
+    """Peak memory against length, a line through it, and where the line meets the GPU's memory."""
+    out = {}
+    for config in args.configs:
+        if skipped[config]:
+            out[config] = {"status": "skipped", "reason": skipped[config]}
+            continue
+        points, total = [], None
+        for length in args.memory_fit:
+            r = launch(args, config, length, f"fit-{config}-{length}", warmup=1, timed=1)
+            log(f"  {config} at {length}: {r['status']}" + (f", peak {r['peak_gib']:.2f} GiB" if r.get("peak_gib") else ""))
+            if r["status"] == "ok" and r.get("peak_gib") is not None:  # None on the CPU
+                points.append((length, r["peak_gib"]))
+                total = r.get("total_gib") or total
+        entry: dict = {"status": "ok", "points": points, "total_gib": total}
+        if len(points) >= 2 and total:
+            n = len(points)
+            mx = sum(x for x, _ in points) / n
+            my = sum(y for _, y in points) / n
+            slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+            intercept = my - slope * mx
+            worst = max(abs(intercept + slope * x - y) for x, y in points)
+            predicted = int((total - intercept) / slope)
+            entry.update(slope_gib_per_1k=slope * 1024, intercept_gib=intercept, max_residual_gib=worst,
+                         predicted=predicted)
+            log(f"  {config}: peak = {intercept:.2f} GiB + {slope * 1024:.3f} GiB per 1k tokens of length "
+                f"(worst residual {worst:.2f} GiB); reaches {total:.1f} GiB at length ~{predicted}")
+            if args.verify_fit:
+                length = predicted // args.search_step * args.search_step
+                r = launch(args, config, length, f"verify-{config}-{length}", warmup=1, timed=1)
+                entry["verified"] = {"length": length, "status": r["status"], "peak_gib": r.get("peak_gib")}
+                log(f"  {config} at {length} (the prediction, rounded down): {r['status']}"
+                    + (f", peak {r['peak_gib']:.2f} GiB" if r.get("peak_gib") else ""))
+        else:
+            entry["status"] = "incomplete"
+        out[config] = entry
+    log(f"\n| config | peak GiB at " + ", ".join(str(x) for x in args.memory_fit)
+        + " | GiB per 1k tokens of length | predicted longest length | checked |\n|---|---|---:|---:|---|")
+    for config, e in out.items():
+        if e["status"] == "skipped":
+            log(f"| {config} | skipped: {e['reason']} | | | |")
+            continue
+        peaks = ", ".join(f"{y:.1f}" for _, y in e["points"])
+        checked = e.get("verified")
+        checked = f"{checked['length']}: {checked['status']}" if checked else "not run"
+        log(f"| {config} | {peaks} | {fmt(e.get('slope_gib_per_1k'), '.3f')} | "
+            f"{fmt(e.get('predicted'), 'd')} (prediction) | {checked} |")
+    return out
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
@@ -790,7 +853,7 @@ def main(argv=None) -> int:
         log("device: cpu" + ("" if args.tiny else " (without --tiny this will be very slow)"))
     skipped = availability(args.device)
     if args.configs is None:
-        args.configs = list(SEARCH_CONFIGS if args.max_length_search else CONFIGS)
+        args.configs = list(SEARCH_CONFIGS if (args.max_length_search or args.memory_fit) else CONFIGS)
         if args.max_length_search and skipped["trl_liger"] and not skipped["trl"]:
             log(f"trl_liger cannot run ({skipped['trl_liger']}); the search uses trl instead")
             args.configs = ["ours_fused", "trl"]
@@ -817,7 +880,9 @@ def main(argv=None) -> int:
         f"{'on' if args.precompute_ref_log_probs else 'off'}, seed {args.seed}")
 
     try:
-        if args.max_length_search:
+        if args.memory_fit:
+            results = {"memory_fit": memory_fit(args, skipped)}
+        elif args.max_length_search:
             results = {"max_length_search": search(args, skipped)}
         else:
             results = benchmark(args, skipped)
