@@ -123,11 +123,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--configs", nargs="+", choices=CONFIGS, default=None,
                    help=f"default: all of {CONFIGS} (search: {SEARCH_CONFIGS})")
-    p.add_argument("--loss_atol", type=float, default=2e-2,
+    p.add_argument("--loss_atol", type=float, default=5e-2,
                    help="first losses must agree to this (absolute)")
     p.add_argument("--logps_atol", type=float, default=None,
-                   help="step-1 logps/chosen and logps/rejected (mean over pairs of a sequence's summed "
-                        "log-prob) must agree to this, in nats; default 2.0 (--tiny: 0.5)")
+                   help="logps/chosen and logps/rejected of the first 3 steps (mean over pairs of a "
+                        "sequence's summed log-prob) must agree to this, in nats; default 2.0 (--tiny: 0.5)")
+    p.add_argument("--recheck", default=None, metavar="RESULTS_JSON",
+                   help="no training: print the tables and the agreement check of an earlier run's "
+                        "results.json again, with this run's tolerances")
     p.add_argument("--max_length_search", action="store_true",
                    help="with gradient checkpointing, the longest length that fits at --pairs pairs")
     p.add_argument("--search_step", type=int, default=None, help="default 1024 (--tiny: 64)")
@@ -607,19 +610,21 @@ def check_agreement(length: int, results: dict[str, dict], args) -> str:
     When TRL (unfused) did not run, TRL + Liger stands in for it, said so.
 
     Tolerances (bf16):
-    - loss, absolute (default 2e-2): every run starts at exactly ln 2 (policy == reference),
-      and the later losses depend on the gradients of the first steps. Each trainer's logps
-      are sums over ~1.8k tokens of per-token values computed from bf16 logits (relative
-      rounding 2^-9), whose errors mostly cancel between policy and reference (same code,
-      nearly the same weights); beta = 0.1 scales the remainder, so implementations agree
-      to ~1e-3 on the loss. 2e-2 leaves a margin of ~10x, and is still small against the
-      losses' departure from ln 2 when the updates are large enough to move them.
-    - logps/chosen and logps/rejected at step 1, absolute (default 2.0 nats): the mean over
-      pairs of a sequence's summed log-prob (~ -L ln V). Rounding of bf16 logits gives
-      ~1e-3 per token, ~0.05 on a 1.8k-token sum; a different row or a different model
-      changes each per-token log-prob by ~0.5 (the random model's logits have std ~0.6),
-      tens of nats on the mean. So this catches trainers fed different tokens or models,
-      which the loss alone cannot at step 1.
+    - loss, absolute (default 5e-2), first 3 steps: every run starts at exactly ln 2 (policy
+      == reference), and the later losses depend on the first updates. With bf16 weights,
+      AdamW's first update is about lr * sign(grad) per weight, and at lr 1e-6 it survives
+      bf16 rounding only for the smallest weights, so which weights move is decided by
+      rounding and by kernels that are not bit-reproducible (attention backward, split-K
+      GEMMs). Two runs of the SAME configuration differed by up to 0.024 at steps 2-3 on the
+      H200 (2026-12-02, docs/benchmarks.md); the tolerance is about twice that noise. (It
+      was 2e-2 until then, which was below that noise: it voided runs that agreed.)
+    - logps/chosen and logps/rejected, first 3 steps, absolute (default 2.0 nats): the mean
+      over pairs of a sequence's summed log-prob (~ -L ln V). Implementations differ by
+      0.01-0.6 nats (bf16 rounding of ~1.8k-3.8k per-token values); a different row or a
+      different model changes each per-token log-prob by ~0.5 (the random model's logits
+      have std ~0.6), tens of nats on the mean. So this catches trainers fed different
+      tokens or models, which the loss alone cannot at step 1; at steps 2-3 it follows the
+      trajectories after the updates.
     """
     ran = lambda c: results.get(c, {}).get("status") == "ok"  # noqa: E731
     present = [c for c in CHECKED if ran(c)]
@@ -628,9 +633,9 @@ def check_agreement(length: int, results: dict[str, dict], args) -> str:
         stand_in = "trl_liger"
         present.append(stand_in)
     log(f"\nAgreement at length {length} ({', '.join(present) or 'no runs'}; loss within "
-        f"{args.loss_atol:g}, step-1 logps within {args.logps_atol:g} nats):")
+        f"{args.loss_atol:g}, logps within {args.logps_atol:g} nats, first 3 steps):")
     if stand_in:
-        log("  (trl did not run: trl_liger stands in for it, on the step-1 logps only. Its losses are shown, not "
+        log("  (trl did not run: trl_liger stands in for it, on the logps only. Its losses are shown, not "
             "checked: TRL applies Liger's kernels to the policy but not to the reference model, so policy and "
             "reference differ by kernel rounding from step 1 and its first loss is not ln 2)")
     missing = [c for c in CHECKED if c in args.configs and not ran(c)]
@@ -639,8 +644,8 @@ def check_agreement(length: int, results: dict[str, dict], args) -> str:
             + (f" (did not run: {missing})" if missing else ""))
         return "incomplete"
     ok = True
-    for key, atol, n in (("loss", args.loss_atol, 3), ("logps/chosen", args.logps_atol, 1),
-                         ("logps/rejected", args.logps_atol, 1)):
+    for key, atol, n in (("loss", args.loss_atol, 3), ("logps/chosen", args.logps_atol, 3),
+                         ("logps/rejected", args.logps_atol, 3)):
         series = {c: first(results[c], key, n) for c in present}
         for c in present:
             log(f"  {key:15s} {c:13s} " + ", ".join(f"{x:.4f}" for x in series[c]))
@@ -666,7 +671,7 @@ def check_agreement(length: int, results: dict[str, dict], args) -> str:
     if moved < 5 * args.loss_atol:
         log(f"  note: the first losses move at most {moved:.2g} from ln 2, so the loss check is weak here "
             f"(the weights hardly change in a few steps at lr {args.learning_rate:g}, less so in bf16); "
-            "the step-1 logps check carries it.")
+            "the logps check carries it.")
     if not ok:
         log("\n" + "!" * 78 + f"\n!!  COMPARISON VOID at length {length}: the trainers do not compute the same "
             "loss on the same tokens\n" + "!" * 78)
@@ -835,10 +840,31 @@ def memory_fit(args, skipped) -> dict:
     return out
 
 
+def recheck(args) -> int:
+    """The tables, agreement check and targets of an earlier run, with this run's tolerances."""
+    with open(args.recheck) as f:
+        saved = json.load(f)
+    old = argparse.Namespace(**saved["settings"])
+    old.loss_atol, old.logps_atol = args.loss_atol, args.logps_atol
+    log(f"recheck of {args.recheck} (argv: {' '.join(saved.get('argv', []))}); tolerances: loss {old.loss_atol:g}, "
+        f"logps {old.logps_atol:g} nats")
+    verdicts = {}
+    for length, results in saved["results"].items():
+        if not length.isdigit():
+            log(f"{length}: nothing to recheck (not a throughput run)")
+            continue
+        log("\n" + table(int(length), results, saved.get("skipped", {}), old) + "\n")
+        verdicts[length] = check_agreement(int(length), results, old)
+        targets(int(length), results)
+    return 0 if all(v != "void" for v in verdicts.values()) else 1
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
         return run_worker(args)
+    if args.recheck:
+        return recheck(args)
 
     import torch
 
