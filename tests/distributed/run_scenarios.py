@@ -32,7 +32,8 @@ def build_trainer(spec: dict, out_dir: str):
         gradient_accumulation_steps=spec.get("grad_accum", 1), train_sampling_strategy="sequential",
         logging_steps=1, save_strategy="no", seed=0, data_seed=0, fused_head=spec["fused"], report_to="none",
         dataloader_drop_last=False, max_length=spec.get("max_length", 64),
-        compile_layers=spec.get("compile", False),
+        compile_layers=spec.get("compile", False), gradient_checkpointing=spec.get("gradient_checkpointing", False),
+        gradient_checkpointing_kwargs={"use_reentrant": False} if spec.get("gradient_checkpointing") else None,
     )
     peft_config = None
     if spec.get("peft"):

@@ -27,6 +27,7 @@ BASELINE = [
     {**DPO, "name": "grad_accum", "fused": True, "per_device_batch": 2, "grad_accum": 2, "evaluate": True},
     {**DPO, "name": "precompute", "fused": True, "per_device_batch": 4, "precompute": True, "evaluate": True},
     {**DPO, "name": "compiled", "fused": True, "per_device_batch": 4, "compile": True, "evaluate": True},
+    {**DPO, "name": "checkpointed", "fused": True, "per_device_batch": 4, "gradient_checkpointing": True},
 ]
 
 # Per backend: (scenario spec, baseline it must equal). 2 processes x 2 pairs per step.
@@ -38,7 +39,10 @@ _common = [
 _compiled = ({**DPO, "name": "compiled", "fused": True, "per_device_batch": 2, "compile": True}, "qwen2")
 SCENARIOS: dict[str, list[tuple[dict, str]]] = {
     "ddp": _common + [_compiled],
-    "zero2": _common + [_compiled],
+    "zero2": _common + [
+        ({**DPO, "name": "compiled_checkpointed", "fused": True, "per_device_batch": 2, "compile": True,
+          "gradient_checkpointing": True}, "qwen2"),
+    ],
     "zero3": _common + [
         ({**DPO, "name": "tied", "fused": True, "per_device_batch": 2, "model": "builtin:tiny-llama"}, "llama"),
         ({**DPO, "name": "lora", "fused": True, "per_device_batch": 2, "peft": True}, "lora"),
@@ -78,6 +82,11 @@ def test_precomputed_reference_equals_reference_forward(runs):
 def test_compiled_layers_equal_eager(runs):
     single = runs(None)
     assert_same_training(single, "compiled", single, "qwen2", backend=None)
+
+
+def test_gradient_checkpointing_equals_no_checkpointing(runs):
+    single = runs(None)
+    assert_same_training(single, "checkpointed", single, "qwen2", backend=None)
 
 
 def test_lora_baseline_trains_the_adapter(runs):
