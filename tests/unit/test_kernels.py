@@ -101,3 +101,16 @@ def test_torch_compile_means_compiled_layers_not_a_compiled_model(tmp_path):
     assert args.compile_layers is True and args.torch_compile is False and args.torch_compile_mode is None
     assert args._layer_compile_options["mode"] == "max-autotune"
     assert DPOConfig(output_dir=str(tmp_path), report_to="none").compile_layers is False
+
+
+def test_compiled_layers_with_checkpointing_warn_with_the_measurement(tmp_path):
+    from transformers.testing_utils import CaptureLogger
+
+    from fusedalign.configs import common
+
+    with CaptureLogger(common.logger) as cl:
+        DPOConfig(output_dir=str(tmp_path), compile_layers=True, gradient_checkpointing=True, report_to="none")
+    assert "compile_layers with gradient_checkpointing" in cl.out and "--use_liger_kernel" in cl.out
+    with CaptureLogger(common.logger) as cl:
+        DPOConfig(output_dir=str(tmp_path), compile_layers=True, report_to="none")
+    assert "gradient_checkpointing" not in cl.out
