@@ -28,6 +28,7 @@ BASELINE = [
     {**DPO, "name": "precompute", "fused": True, "per_device_batch": 4, "precompute": True, "evaluate": True},
     {**DPO, "name": "compiled", "fused": True, "per_device_batch": 4, "compile": True, "evaluate": True},
     {**DPO, "name": "checkpointed", "fused": True, "per_device_batch": 4, "gradient_checkpointing": True},
+    {**DPO, "name": "lora_compiled", "fused": True, "per_device_batch": 4, "peft": True, "compile": True},
 ]
 
 # Per backend: (scenario spec, baseline it must equal). 2 processes x 2 pairs per step.
@@ -82,6 +83,11 @@ def test_precomputed_reference_equals_reference_forward(runs):
 def test_compiled_layers_equal_eager(runs):
     single = runs(None)
     assert_same_training(single, "compiled", single, "qwen2", backend=None)
+
+
+def test_compiled_layers_with_lora_equal_eager_lora(runs):
+    single = runs(None)
+    assert_same_training(single, "lora_compiled", single, "lora", backend=None)
 
 
 def test_gradient_checkpointing_equals_no_checkpointing(runs):
