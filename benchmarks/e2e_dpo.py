@@ -138,6 +138,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="with gradient checkpointing: peak memory at these lengths (2 steps each), a "
                         "least-squares line through them, and the length where it reaches the GPU's memory "
                         "(a prediction, labelled so; cheaper than --max_length_search at long lengths)")
+    p.add_argument("--fit_warmup_steps", type=int, default=1,
+                   help="with --memory_fit: untimed steps before the one timed step of each probe (default 1; "
+                        "2 keeps a step-2 recompile out of the timing)")
     p.add_argument("--verify_fit", action="store_true",
                    help="with --memory_fit: also train 2 steps at each predicted length (rounded down to "
                         "--search_step) to check that it fits")
@@ -799,7 +802,7 @@ def memory_fit(args, skipped) -> dict:
             continue
         points, total = [], None
         for length in args.memory_fit:
-            r = launch(args, config, length, f"fit-{config}-{length}", warmup=1, timed=1)
+            r = launch(args, config, length, f"fit-{config}-{length}", warmup=args.fit_warmup_steps, timed=1)
             log(f"  {config} at {length}: {r['status']}" + (f", peak {r['peak_gib']:.2f} GiB" if r.get("peak_gib") else ""))
             if r["status"] == "ok" and r.get("peak_gib") is not None:  # None on the CPU
                 points.append((length, r["peak_gib"]))
@@ -819,7 +822,7 @@ def memory_fit(args, skipped) -> dict:
                 f"(worst residual {worst:.2f} GiB); reaches {total:.1f} GiB at length ~{predicted}")
             if args.verify_fit:
                 length = predicted // args.search_step * args.search_step
-                r = launch(args, config, length, f"verify-{config}-{length}", warmup=1, timed=1)
+                r = launch(args, config, length, f"verify-{config}-{length}", warmup=args.fit_warmup_steps, timed=1)
                 entry["verified"] = {"length": length, "status": r["status"], "peak_gib": r.get("peak_gib")}
                 log(f"  {config} at {length} (the prediction, rounded down): {r['status']}"
                     + (f", peak {r['peak_gib']:.2f} GiB" if r.get("peak_gib") else ""))
