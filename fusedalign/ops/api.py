@@ -87,8 +87,10 @@ def head_logprobs(
     # Rows whose label is ignored (prompt positions, padding) are not computed at all:
     # the backend sees the scored rows only and the results are scattered back.
     scored = labels != ignore_index
-    rows = scored.nonzero().squeeze(1) if 0 < int(scored.sum()) < labels.shape[0] else None
-    if rows is not None:
+    rows = scored.nonzero().squeeze(1)  # one host sync
+    if rows.numel() in (0, labels.shape[0]):
+        rows = None  # nothing to skip, or nothing to compute: the backend sees every row
+    else:
         hidden, labels = hidden.index_select(0, rows), labels.index_select(0, rows)
         if low_rank is not None:
             low_rank = LowRank(low_rank.down.index_select(0, rows), low_rank.up, low_rank.scale)
