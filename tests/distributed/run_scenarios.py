@@ -105,7 +105,8 @@ def run(spec: dict, out_root: str) -> None:
         "distributed_type": str(trainer.accelerator.distributed_type),
         "wrapper": type(trainer.model_wrapped).__name__,
         "model_class": type(trainer.model).__name__,
-        # Graphs dynamo compiled while training (0 unless the layers were compiled).
+        # Whether the layers were to be compiled, and the graphs dynamo compiled while training.
+        "compile_layers": trainer.args.compile_layers,
         "compiled_graphs": counters["stats"]["unique_graphs"] - graphs_before,
     }
     if spec.get("evaluate"):

@@ -70,29 +70,17 @@ def test_baseline_trains_and_fused_equals_unfused_in_one_process(runs):
     assert_same_training(single, "qwen2_fused", single, "qwen2", backend=None)
 
 
-def test_gradient_accumulation_2x2_equals_1x4(runs):
+# One process, each against the baseline it must reproduce: gradient accumulation 2x2 =
+# 1x4, precomputed reference = reference forward, compiled layers (also with LoRA) =
+# eager layers, gradient checkpointing = none.
+SINGLE_CASES = [("grad_accum", "qwen2"), ("precompute", "qwen2"), ("compiled", "qwen2"),
+                ("lora_compiled", "lora"), ("checkpointed", "qwen2")]
+
+
+@pytest.mark.parametrize("name,want", SINGLE_CASES, ids=[n for n, _ in SINGLE_CASES])
+def test_one_process_variant_equals_its_baseline(runs, name, want):
     single = runs(None)
-    assert_same_training(single, "grad_accum", single, "qwen2", backend=None)
-
-
-def test_precomputed_reference_equals_reference_forward(runs):
-    single = runs(None)
-    assert_same_training(single, "precompute", single, "qwen2", backend=None)
-
-
-def test_compiled_layers_equal_eager(runs):
-    single = runs(None)
-    assert_same_training(single, "compiled", single, "qwen2", backend=None)
-
-
-def test_compiled_layers_with_lora_equal_eager_lora(runs):
-    single = runs(None)
-    assert_same_training(single, "lora_compiled", single, "lora", backend=None)
-
-
-def test_gradient_checkpointing_equals_no_checkpointing(runs):
-    single = runs(None)
-    assert_same_training(single, "checkpointed", single, "qwen2", backend=None)
+    assert_same_training(single, name, single, want, backend=None)
 
 
 def test_lora_baseline_trains_the_adapter(runs):
