@@ -30,7 +30,7 @@ from fusedalign.architectures import (  # noqa: F401  (re-exported: the head's p
     post_processing_of,
     register_architecture,
 )
-from fusedalign.ops import LowRank, head_logprobs
+from fusedalign.ops import LowRank, SequenceLoss, head_logprobs
 
 IGNORE_INDEX = -100
 
@@ -85,14 +85,32 @@ def _is_lora_layer(module: nn.Module) -> bool:
 # --------------------------------------------------------------------------------------
 
 
+class RowLoss(NamedTuple):
+    """The loss fed by a batch's log-probs, as a function of each row's sum of log-probs.
+
+    Declaring it lets the head form its gradient in the forward (`ops.SequenceLoss`, the
+    loss-aware mode: one logits GEMM fewer); it is checked against the real gradient in
+    backward. Only for losses whose gradient for a row depends on the sums of its group.
+
+    Attributes:
+        groups: [B] long, the group of each batch row (a DPO pair: its chosen and rejected rows).
+        grad: row sums [B] -> dL/d(row sums) [B]; see `ops.SequenceLoss.grad`.
+    """
+
+    groups: torch.Tensor
+    grad: Callable[[torch.Tensor], torch.Tensor]
+
+
 class FusedHead:
     """State of one `fused_head` context: the op's options and the last statistics."""
 
-    def __init__(self, labels: torch.Tensor, post: PostProcessing, temperature: float, stats: dict[str, bool]):
+    def __init__(self, labels: torch.Tensor, post: PostProcessing, temperature: float, stats: dict[str, bool],
+                 row_loss: RowLoss | None = None):
         self.labels = labels
         self.post = post
         self.temperature = temperature
         self.stats_requested = stats
+        self.row_loss = row_loss
         self.calls = 0
         self.last = None  # HeadOutput of the last head call, reshaped to [B, T]
 
@@ -109,6 +127,10 @@ class FusedHead:
             )
         # `logits_to_keep` slices the last positions before the head; score the same ones.
         labels = labels[:, labels.shape[1] - kept :].to(hidden.device)
+        sequence_loss = None
+        if self.row_loss is not None:
+            rows = torch.arange(batch, device=hidden.device).repeat_interleave(kept)  # [B*T']: row of each position
+            sequence_loss = SequenceLoss(rows, self.row_loss.groups.to(hidden.device), self.row_loss.grad)
         out = head_logprobs(
             hidden.reshape(-1, width),  # [B*T', H]
             weight,  # [V, H]
@@ -119,6 +141,7 @@ class FusedHead:
             logit_scale=self.post.logit_scale,
             ignore_index=IGNORE_INDEX,
             low_rank=low_rank,
+            sequence_loss=sequence_loss,
             **self.stats_requested,
         )
         self.calls += 1
@@ -240,6 +263,7 @@ def fused_head(
     entropy: bool = False,
     logit_mean: bool = False,
     argmax: bool = False,
+    row_loss: RowLoss | None = None,
 ) -> Iterator[FusedHead]:
     """Makes `model(...)` return per-token log-probs of `labels` instead of logits.
 
@@ -254,6 +278,8 @@ def fused_head(
             -100 where nothing is scored.
         temperature: Divides the logits inside the softmax.
         entropy, logit_mean, argmax: Which detached per-token statistics to compute in the same pass.
+        row_loss: The loss the log-probs feed, as a function of each row's sum (`RowLoss`), so that
+            the head forms its gradient in the forward; None for the ordinary per-token op.
 
     Raises:
         UnsupportedArchitectureError: The model post-processes logits in a way not registered.
@@ -263,7 +289,8 @@ def fused_head(
         raise ValueError(f"fused_head: labels must be [batch, seq_len], got shape {tuple(labels.shape)}.")
     lm = unwrap_model(model)
     post = post_processing_of(lm)
-    state = FusedHead(labels, post, temperature, {"entropy": entropy, "logit_mean": logit_mean, "argmax": argmax})
+    state = FusedHead(labels, post, temperature, {"entropy": entropy, "logit_mean": logit_mean, "argmax": argmax},
+                      row_loss)
     head = _head_module(lm)
     forward = _lora_forward(state) if _is_lora_layer(head) else _plain_forward(state)
     if not _is_lora_layer(head) and not isinstance(head, nn.Linear):
@@ -322,6 +349,7 @@ def token_logprobs(
     entropy: bool = False,
     logit_mean: bool = False,
     argmax: bool = False,
+    row_loss: RowLoss | None = None,
 ) -> TokenLogProbs:
     """Per-token log-probs of `labels` from one ordinary forward of `model`.
 
@@ -332,12 +360,14 @@ def token_logprobs(
         model: The model as the backend prepared it (call it, never its parts).
         inputs: Keyword arguments of the forward (input_ids, attention_mask, position_ids).
         labels: [B, T] position-aligned labels, -100 where ignored.
+        row_loss: The loss the log-probs feed, per row sum (fused only: lets the head form its
+            gradient in the forward; the unfused path computes the same function without it).
     """
     stats = {"entropy": entropy, "logit_mean": logit_mean, "argmax": argmax}
     if not fused:
         logits = model(**inputs, use_cache=False).logits
         return logprobs_from_logits(logits, labels, temperature=temperature, **stats)
-    with fused_head(model, labels, temperature=temperature, **stats) as head:
+    with fused_head(model, labels, temperature=temperature, row_loss=row_loss, **stats) as head:
         out = model(**inputs, use_cache=False)
     if head.calls != 1:
         raise RuntimeError(

@@ -5,7 +5,7 @@ docs/internals.md for the contract.
 """
 
 from fusedalign.ops.api import head_logprobs, reference_head_logprobs
-from fusedalign.ops.options import HeadOptions, HeadOutput, LowRank
+from fusedalign.ops.options import HeadOptions, HeadOutput, LowRank, SequenceLoss
 from fusedalign.ops.registry import (
     Backend,
     BackendUnavailableError,
@@ -19,6 +19,7 @@ __all__ = [
     "HeadOptions",
     "HeadOutput",
     "LowRank",
+    "SequenceLoss",
     "head_logprobs",
     "known_backends",
     "reference_head_logprobs",

@@ -11,7 +11,8 @@ from torch import Tensor
 # Importing the built-in backends registers them.
 from fusedalign.ops import chunked as _chunked  # noqa: F401
 from fusedalign.ops import reference as _reference  # noqa: F401
-from fusedalign.ops.options import HeadOptions, HeadOutput, LowRank, resolve_chunk_rows
+from fusedalign.ops.loss_aware import check_sequence_loss, loss_aware_head_logprobs
+from fusedalign.ops.options import HeadOptions, HeadOutput, LowRank, SequenceLoss, resolve_chunk_rows
 from fusedalign.ops.registry import resolve_backend
 
 
@@ -32,6 +33,8 @@ def head_logprobs(
     chunk_size: int | None = None,
     memory_budget_bytes: int | None = None,
     backend: str = "auto",
+    sequence_loss: SequenceLoss | None = None,
+    block_budget_bytes: int | None = None,
 ) -> HeadOutput:
     """Per-token log-probabilities of `labels` under the output head, without N x V logits.
 
@@ -68,10 +71,22 @@ def head_logprobs(
         backend: "auto" ("triton" on CUDA when Triton is installed and the dtype is
             fp32/bf16/fp16, else "torch"), "torch" (chunked PyTorch), "reference"
             (unfused, materialises z) or "triton" (cuBLAS GEMMs + Triton kernels, CUDA).
+        sequence_loss: the loss these log-probs feed, when it is a function of per-sequence
+            sums coupled only within groups (`SequenceLoss`; segments [N]). With it, and
+            gradients wanted, the backends that can ("torch", "triton") form the gradient
+            in the forward, a block of whole groups at a time: three logits GEMMs instead
+            of four (`ops/loss_aware.py`). Backward checks the declaration against the real
+            upstream gradient and recomputes the ordinary way, with a warning, if it does
+            not match. Ignored without LoRA support (low_rank given), by "reference", or
+            when one group alone exceeds `block_budget_bytes`.
+        block_budget_bytes: bytes for one block's logits in the loss-aware mode (default
+            4 GiB on CUDA, 256 MiB elsewhere). Peak extra memory is that block plus fp32
+            [N, H] and [V, H] gradients held from forward to backward.
 
     Returns:
         HeadOutput with `logps` [N] float32 and the requested statistics ([N] float32, or
-        bool for `argmax_match`), plus the name of the backend that ran.
+        bool for `argmax_match`), the name of the backend that ran and whether the
+        loss-aware mode ran.
 
     Raises:
         ValueError: a shape, value or backend name is wrong (the message names it).
@@ -88,12 +103,17 @@ def head_logprobs(
     # the backend sees the scored rows only and the results are scattered back.
     scored = labels != ignore_index
     rows = scored.nonzero().squeeze(1)  # one host sync
+    if sequence_loss is not None:
+        check_sequence_loss(sequence_loss, labels.shape[0], hidden.device)
+    any_scored = rows.numel() > 0
     if rows.numel() in (0, labels.shape[0]):
         rows = None  # nothing to skip, or nothing to compute: the backend sees every row
     else:
         hidden, labels = hidden.index_select(0, rows), labels.index_select(0, rows)
         if low_rank is not None:
             low_rank = LowRank(low_rank.down.index_select(0, rows), low_rank.up, low_rank.scale)
+        if sequence_loss is not None:
+            sequence_loss = sequence_loss._replace(segments=sequence_loss.segments.index_select(0, rows))
     n, v = hidden.shape[0], weight.shape[0]
     opts = HeadOptions(
         temperature=_positive("temperature", temperature),
@@ -106,7 +126,15 @@ def head_logprobs(
         argmax=bool(argmax),
         chunk_rows=resolve_chunk_rows(n, v, hidden.device, chunk_size, memory_budget_bytes),
     )
-    out = impl.run(hidden, weight, labels, bias, low_rank, opts)
+    out = None
+    wants_grad = torch.is_grad_enabled() and any(
+        isinstance(t, Tensor) and t.requires_grad for t in (hidden, weight, bias)
+    )
+    if sequence_loss is not None and impl.blocks is not None and low_rank is None and wants_grad and any_scored:
+        out = loss_aware_head_logprobs(impl.blocks, hidden, weight, labels, bias, sequence_loss, opts,
+                                       impl.name, block_budget_bytes)
+    if out is None:
+        out = impl.run(hidden, weight, labels, bias, low_rank, opts)
     return out if rows is None else _scatter_rows(out, rows, scored.shape[0])
 
 

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from fusedalign.ops.gemm import wide_mm
 from fusedalign.ops.options import HeadOptions, HeadOutput, LowRank, compute_dtype
 from fusedalign.ops.registry import Backend, register_backend
 
@@ -45,28 +46,6 @@ def _scaled_logits(
     if opts.logit_scale != 1.0:
         a.mul_(opts.logit_scale)
     return a
-
-
-# torch.mm(..., out_dtype=float32) (aten::mm.dtype): a bf16/fp16 GEMM that returns its
-# fp32 accumulator instead of rounding it. CUDA only, recent PyTorch.
-_HAS_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")
-
-
-def _mm_wide(a: Tensor, b: Tensor, acc: torch.dtype) -> Tensor:
-    """a @ b returned in `acc` (fp32/fp64), for gradients summed over many chunks.
-
-    Rounding each chunk's partial sum to bf16 before adding it up would cost about
-    sqrt(chunks) times the error of one unfused bf16 GEMM; returning the GEMM's own fp32
-    accumulator avoids that. Off CUDA reduced-precision GEMMs are no faster than fp32,
-    so there we simply upcast.
-    """
-    if a.dtype == acc:
-        return torch.mm(a, b)
-    if a.is_cuda and _HAS_MM_OUT_DTYPE and acc == torch.float32:
-        return torch.mm(a, b, out_dtype=acc)
-    if a.is_cuda:  # older PyTorch: one rounding per chunk, then fp32 accumulation
-        return torch.mm(a, b).to(acc)
-    return torch.mm(a.to(acc), b.to(acc))
 
 
 class _ChunkedHeadLogprobs(torch.autograd.Function):
@@ -121,27 +100,55 @@ def _forward(hidden, weight, labels, bias, down, up, opts: HeadOptions):
             y.div_(c).tanh_().mul_(c)  # z, in place
         if T != 1.0:
             y.div_(T)  # y = z / T, in place; the statistics below undo T where they need z
-        m = y.amax(dim=1, keepdim=True)  # [n, 1]: shift so exp never overflows
-        if opts.entropy:
-            d = y - m  # [n, V]
-            e = d.exp()
-            s = e.sum(dim=1)
-            # H = lse - E_p[y] = log s - E_p[y - m]: the shifted form avoids cancelling
-            # two large numbers when the logits are large.
-            entropy[sl] = s.log() - e.mul_(d).sum(dim=1) / s
-            del d, e
-        else:
-            s = torch.sub(y, m).exp_().sum(dim=1)
-        lse_c = m.squeeze(1) + s.log()
-        lse[sl] = lse_c
-        target = y.gather(1, safe[sl, None]).squeeze(1)
-        logps[sl] = torch.where(valid[sl], target - lse_c, 0.0)
+        logps[sl], lse[sl], ent_c, mean_c, match_c = _chunk_forward(y, safe[sl], valid[sl], opts)
+        if entropy is not None:
+            entropy[sl] = ent_c
         if mean is not None:
-            mean[sl] = y.mean(dim=1) * T
+            mean[sl] = mean_c
         if match is not None:
-            # argmax of z equals argmax of z / T because T > 0.
-            match[sl] = (y.argmax(dim=1) == safe[sl]) & valid[sl]
+            match[sl] = match_c
     return logps, entropy, mean, match, lse
+
+
+def _chunk_forward(y: Tensor, safe: Tensor, valid: Tensor, opts: HeadOptions):
+    """(logps, lse, entropy, logit_mean, argmax_match) of one chunk's y = z / T [n, V].
+
+    Statistics are None unless requested; y is read, never written.
+    """
+    T = opts.temperature
+    m = y.amax(dim=1, keepdim=True)  # [n, 1]: shift so exp never overflows
+    entropy = None
+    if opts.entropy:
+        d = y - m  # [n, V]
+        e = d.exp()
+        s = e.sum(dim=1)
+        # H = lse - E_p[y] = log s - E_p[y - m]: the shifted form avoids cancelling
+        # two large numbers when the logits are large.
+        entropy = s.log() - e.mul_(d).sum(dim=1) / s
+        del d, e
+    else:
+        s = torch.sub(y, m).exp_().sum(dim=1)
+    lse = m.squeeze(1) + s.log()
+    target = y.gather(1, safe[:, None]).squeeze(1)
+    logps = torch.where(valid, target - lse, 0.0)
+    mean = y.mean(dim=1) * T if opts.logit_mean else None
+    # argmax of z equals argmax of z / T because T > 0.
+    match = (y.argmax(dim=1) == safe) & valid if opts.argmax else None
+    return logps, lse, entropy, mean, match
+
+
+def _chunk_gradient(y: Tensor, t: Tensor | None, lse: Tensor, gs: Tensor, safe: Tensor) -> Tensor:
+    """G = gs (onehot - softmax(y)) (1 - t^2), in place over y [n, V].
+
+    t = tanh(a / softcap) (None without a softcap) is consumed; gs [n] already holds
+    g * logit_scale / T and is 0 on ignored rows.
+    """
+    gs = gs[:, None]  # [n, 1]
+    G = y.sub_(lse[:, None]).exp_().mul_(-gs)  # -g p, in place over y: [n, V]
+    G.scatter_add_(1, safe[:, None], gs)  # + g onehot (gs is 0 on ignored rows)
+    if t is not None:
+        G.mul_(t.square_().neg_().add_(1.0))  # softcap chain rule: 1 - tanh^2
+    return G
 
 
 def _backward(g, hidden, weight, labels, bias, down, up, lse, opts: HeadOptions,
@@ -173,18 +180,14 @@ def _backward(g, hidden, weight, labels, bias, down, up, lse, opts: HeadOptions,
             y = t * (c / T)
         else:
             t, y = None, (a.div_(T) if T != 1.0 else a)
-        gs_c = gs[sl, None]  # [n, 1]
-        G = y.sub_(lse[sl, None]).exp_().mul_(-gs_c)  # -g p, in place over y: [n, V]
-        G.scatter_add_(1, safe[sl, None], gs_c)  # + g onehot (gs is 0 on ignored rows)
-        if t is not None:
-            G.mul_(t.square_().neg_().add_(1.0))  # softcap chain rule: 1 - tanh^2
-            del t
+        G = _chunk_gradient(y, t, lse[sl], gs[sl], safe[sl])
+        del t
         # G = d(sum g logp) / d(h W^T + b + s down up^T) for this chunk, in cdt.
         G_in = G.to(hidden.dtype)  # GEMMs in the input dtype, like the forward
         if need_h:
             torch.mm(G_in, weight, out=g_h[sl])  # [n, V] @ [V, H]
         if need_w:
-            g_w.add_(_mm_wide(G_in.t(), h_c, cdt))  # [V, n] @ [n, H]
+            g_w.add_(wide_mm(G_in.t(), h_c, cdt))  # [V, n] @ [n, H]
         if need_b:
             g_b.add_(G.sum(dim=0))
         if need_down or need_up:
@@ -192,11 +195,58 @@ def _backward(g, hidden, weight, labels, bias, down, up, lse, opts: HeadOptions,
             if need_down:
                 torch.mm(G_lr, up, out=g_down[sl]).mul_(opts.low_rank_scale)  # [n, V] @ [V, r]
             if need_up:
-                g_up.add_(_mm_wide(G_lr.t(), down_c, cdt), alpha=opts.low_rank_scale)
+                g_up.add_(wide_mm(G_lr.t(), down_c, cdt), alpha=opts.low_rank_scale)
         del a, y, G, G_in
 
     cast = lambda acc, like: None if acc is None else acc.to(like.dtype)  # noqa: E731
     return g_h, cast(g_w, weight), cast(g_b, bias), g_down, cast(g_up, up)
+
+
+class TorchBlocks:
+    """This backend's block math for the loss-aware mode (`ops/loss_aware.py`).
+
+    A block's state is y = z / T in the compute dtype [R, V] (and tanh(a / softcap) with a
+    softcap), so its memory is 4 bytes per logit (8 with a softcap), plus the gradient's
+    copy in the input dtype.
+    """
+
+    @staticmethod
+    def bytes_per_logit(dtype: torch.dtype, opts: HeadOptions) -> int:
+        cdt = compute_dtype(dtype).itemsize
+        return cdt * (2 if opts.softcap is not None else 1) + (dtype.itemsize if dtype.itemsize < cdt else 0)
+
+    @staticmethod
+    def forward(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None, opts: HeadOptions):
+        """One GEMM for the block's rows, then its statistics; returns (state, logps, entropy,
+        logit_mean, argmax_match, lse), the state kept for `gradient`."""
+        cdt = compute_dtype(hidden.dtype)
+        T, c = opts.temperature, opts.softcap
+        a = _scaled_logits(hidden, weight, bias, None, None, opts, cdt)  # [R, V]
+        if c is not None:
+            t = a.div_(c).tanh_()  # tanh(a / c), kept for the chain rule; z = c * t
+            y = t * (c / T)
+        else:
+            t, y = None, (a.div_(T) if T != 1.0 else a)
+        valid = labels != opts.ignore_index
+        logps, lse, entropy, mean, match = _chunk_forward(y, labels.masked_fill(~valid, 0), valid, opts)
+        return (y, t, hidden.dtype), logps, entropy, mean, match, lse
+
+    @staticmethod
+    def gradient(state, labels: Tensor, lse: Tensor, coef: Tensor, opts: HeadOptions, need_bias: bool):
+        """G = d(sum_i coef_i logp_i) / d(raw logits) in the input dtype [R, V] (over the state),
+        and its column sums in fp32 for the bias when `need_bias`."""
+        y, t, dtype = state
+        valid = labels != opts.ignore_index
+        gs = torch.where(valid, coef.to(y.dtype), 0.0) * (opts.logit_scale / opts.temperature)
+        G = _chunk_gradient(y, t, lse, gs, labels.masked_fill(~valid, 0))
+        return G.to(dtype), (G.sum(dim=0) if need_bias else None)
+
+    @staticmethod
+    def backward(g, hidden, weight, labels, bias, lse, opts: HeadOptions, *, need_h, need_w, need_b):
+        """The ordinary (recomputing) backward, for when the declared loss was not the real one."""
+        g_h, g_w, g_b, _, _ = _backward(g, hidden, weight, labels, bias, None, None, lse, opts, need_h=need_h,
+                                        need_w=need_w, need_b=need_b, need_down=False, need_up=False)
+        return g_h, g_w, g_b
 
 
 def chunked_head_logprobs(
@@ -211,4 +261,4 @@ def chunked_head_logprobs(
     return HeadOutput(logps, entropy, mean, match, backend="torch-chunked")
 
 
-register_backend(Backend(key="torch", name="torch-chunked", run=chunked_head_logprobs))
+register_backend(Backend(key="torch", name="torch-chunked", run=chunked_head_logprobs, blocks=TorchBlocks()))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 from torch import Tensor
@@ -23,6 +23,12 @@ DEFAULT_BUDGET_BYTES_CPU = 32 * 2**20
 # Once the whole batch does not fit the budget we split it at least this many ways, so
 # that no chunk approaches half the full logits even when the budget is just too small.
 MIN_CHUNKS_WHEN_SPLIT = 4
+# Loss-aware mode: bytes allowed for one block's logits (whole groups of rows x V, in the
+# backend's working dtype), and the rows past which a block takes no further group. One
+# DPO pair at 2 x 2048 tokens and V = 151,936 is 1.1 GB in bf16.
+DEFAULT_BLOCK_BUDGET_BYTES_CUDA = 4 * 2**30
+DEFAULT_BLOCK_BUDGET_BYTES_CPU = 256 * 2**20
+BLOCK_TARGET_ROWS = 2048
 
 
 class LowRank(NamedTuple):
@@ -51,6 +57,8 @@ class HeadOutput(NamedTuple):
             requested.
         argmax_match: [N] bool, argmax_v z == label (False where ignored); None unless requested.
         backend: which backend ran: "torch-chunked", "triton" or "reference".
+        loss_aware: whether the gradient was formed in the forward from a declared
+            `SequenceLoss` (three logits GEMMs instead of four).
     """
 
     logps: Tensor
@@ -58,6 +66,30 @@ class HeadOutput(NamedTuple):
     logit_mean: Tensor | None
     argmax_match: Tensor | None
     backend: str
+    loss_aware: bool = False
+
+
+class SequenceLoss(NamedTuple):
+    """The loss a call feeds, declared so that the op can form its gradient in the forward.
+
+    The loss must be L = F(S), S_s = sum of the log-probs of the rows of sequence s, and
+    couple sequences only within a group: dL/dS_s may depend on the sums of s's own group
+    alone (a DPO pair: chosen and rejected). Anything else the caller multiplies L by (a
+    global normaliser, a backend's loss scaling) is fitted in backward, where the
+    declaration is also checked against the real upstream gradient (`ops/loss_aware.py`).
+
+    Attributes:
+        segments: [N] long, the sequence each row's log-prob is summed into (read on
+            scored rows only).
+        groups: [S] long in [0, G), the group of each sequence.
+        grad: sums [S] (the log-probs' dtype) -> dL/dS [S]. It is called once per block of
+            groups, with the sums of groups not yet computed set to 0; only the entries of
+            the block's groups are used.
+    """
+
+    segments: Tensor
+    groups: Tensor
+    grad: Callable[[Tensor], Tensor]
 
 
 @dataclass(frozen=True)

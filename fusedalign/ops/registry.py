@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -40,6 +40,8 @@ class Backend:
         unavailable_reason: returns None when the backend can run on `device`, else a
             sentence saying why not.
         dtype_reason: likewise for the dtype of `hidden`.
+        blocks: the backend's block math for the loss-aware mode (`ops/loss_aware.py`),
+            or None when it has none (the op then runs the ordinary path).
     """
 
     key: str
@@ -47,6 +49,7 @@ class Backend:
     run: BackendFn
     unavailable_reason: Callable[[torch.device], str | None] = lambda device: None
     dtype_reason: Callable[[torch.dtype], str | None] = lambda dtype: None
+    blocks: Any = None
 
     def reason(self, device: torch.device, dtype: torch.dtype | None) -> str | None:
         """Why this backend cannot run here, or None when it can."""

@@ -24,7 +24,6 @@ fp32 inputs accumulate straight into the returned gradient).
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -32,6 +31,8 @@ import triton  # noqa: F401  (ImportError here = backend unavailable, reported b
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from fusedalign.ops.gemm import HALF as _HALF
+from fusedalign.ops.gemm import accumulate_mm, wide_mm
 from fusedalign.ops.options import HeadOptions, HeadOutput, LowRank
 from fusedalign.ops.registry import Backend, register_backend
 
@@ -40,9 +41,10 @@ from fusedalign.ops.registry import Backend, register_backend
 # Module-level so a benchmark can sweep them; not part of the API.
 FWD_CONFIG = (16, 256, 4)
 BWD_CONFIG = (16, 256, 4)
+# The loss-aware mode folds a block of a few thousand rows over all V columns at once.
+BLOCK_FWD_CONFIG = (4, 512, 4)
 # Chunk widths are rounded down to a multiple of this (GEMM- and kernel-friendly).
 COL_ALIGN = 256
-_HALF = (torch.bfloat16, torch.float16)
 
 
 def _kernels():
@@ -139,34 +141,53 @@ def _forward(hidden, weight, labels, bias, down, up, opts: HeadOptions):
     lse2 [N] is log2 sum_v 2^(y2_v), the base-2 logsumexp that backward needs.
     """
     n, v, dev = hidden.shape[0], weight.shape[0], hidden.device
-    f32 = torch.float32
     valid = labels != opts.ignore_index
     lab = torch.where(valid, labels, -1).to(torch.int32)
+    state = _new_state(n, opts, dev, lab)
+    if n > 0:
+        cols = chunk_cols(n, v, opts)
+        buf = torch.empty(n * cols, dtype=hidden.dtype, device=dev)
+        lbuf = None if down is None else torch.empty(n * cols, dtype=down.dtype, device=dev)
+        config = _blocks(FWD_CONFIG, n, cols, hidden.is_cuda)
+        for c0 in range(0, v, cols):
+            cl = min(cols, v - c0)
+            x, lx = _chunk_logits(buf, lbuf, hidden, weight, down, up, c0, cl)
+            _fold(x, lx if down is not None else None, bias, lab, state, c0, opts, config)
+        del buf, lbuf
+    return _finish(state, valid, labels, v, opts)
+
+
+def _new_state(n: int, opts: HeadOptions, dev: torch.device, lab: Tensor) -> tuple[Tensor, ...]:
+    """Per-token running state of `fwd_chunk_kernel`: (m, s, tgt, w, zsum, zmax, amax);
+    statistics not asked for alias another buffer (the kernel never touches them)."""
+    f32 = torch.float32
     m, s, tgt = (torch.zeros(n, dtype=f32, device=dev) for _ in range(3))
     w = torch.zeros(n, dtype=f32, device=dev) if opts.entropy else m
     zsum = torch.zeros(n, dtype=f32, device=dev) if opts.logit_mean else m
     zmax = torch.zeros(n, dtype=f32, device=dev) if opts.argmax else m
     amax = torch.zeros(n, dtype=torch.int32, device=dev) if opts.argmax else lab
-    if n > 0:
-        kernel = _kernels().fwd_chunk_kernel
-        cols = chunk_cols(n, v, opts)
-        buf = torch.empty(n * cols, dtype=hidden.dtype, device=dev)
-        lbuf = None if down is None else torch.empty(n * cols, dtype=down.dtype, device=dev)
-        br, bc, warps = _blocks(FWD_CONFIG, n, cols, hidden.is_cuda)
-        scalars = _scalars(opts)
-        for c0 in range(0, v, cols):
-            cl = min(cols, v - c0)
-            x, lx = _chunk_logits(buf, lbuf, hidden, weight, down, up, c0, cl)
-            kernel[(triton.cdiv(n, br),)](
-                x, cl, lx, cl, x if bias is None else bias, lab,
-                m, s, tgt, w, zsum, zmax, amax,
-                n, c0, cl, int(c0 == 0), *scalars,
-                HAS_BIAS=bias is not None, HAS_LORA=down is not None,
-                HAS_SOFTCAP=opts.softcap is not None, ENTROPY=opts.entropy,
-                MEAN=opts.logit_mean, ARGMAX=opts.argmax, ACCURATE_TANH=hidden.is_cuda,
-                BLOCK_R=br, BLOCK_C=bc, num_warps=warps,
-            )
-        del buf, lbuf
+    return m, s, tgt, w, zsum, zmax, amax
+
+
+def _fold(x: Tensor, lx: Tensor | None, bias: Tensor | None, lab: Tensor, state, c0: int,
+          opts: HeadOptions, config: tuple[int, int, int]) -> None:
+    """Folds the chunk x = [n, C] (columns c0 .. c0 + C of the logits) into `state`."""
+    n, cl = x.shape
+    br, bc, warps = config
+    _kernels().fwd_chunk_kernel[(triton.cdiv(n, br),)](
+        x, x.stride(0), x if lx is None else lx, cl if lx is None else lx.stride(0),
+        x if bias is None else bias, lab, *state,
+        n, c0, cl, int(c0 == 0), *_scalars(opts),
+        HAS_BIAS=bias is not None, HAS_LORA=lx is not None,
+        HAS_SOFTCAP=opts.softcap is not None, ENTROPY=opts.entropy,
+        MEAN=opts.logit_mean, ARGMAX=opts.argmax, ACCURATE_TANH=x.is_cuda,
+        BLOCK_R=br, BLOCK_C=bc, num_warps=warps,
+    )
+
+
+def _finish(state, valid: Tensor, labels: Tensor, v: int, opts: HeadOptions):
+    """(logps, entropy, logit_mean, argmax_match, lse2) from the folded state."""
+    m, s, tgt, w, zsum, _zmax, amax = state
     # The state is in base 2: y2 = y log2 e. Back to natural log-probs at the end.
     log2_s = torch.log2(s)
     lse2 = m + log2_s
@@ -220,15 +241,15 @@ def _backward(g, hidden, weight, labels, bias, down, up, lse2, opts: HeadOptions
             # x now holds G [N, C] (input dtype); lx holds G in the adapter's dtype.
             w_c = weight[c0:c0 + cl]
             if need_h:
-                _accumulate_mm(g_h, x, w_c)  # [N, C] @ [C, H]
+                accumulate_mm(g_h, x, w_c)  # [N, C] @ [C, H]
             if need_w:
                 torch.mm(x.t(), hidden, out=g_w[c0:c0 + cl])  # [C, N] @ [N, H]
             if need_b:
                 g_b[c0:c0 + cl] = dbias[:, :cl].sum(dim=0)
             if need_up:
-                g_up[c0:c0 + cl] = _wide_mm(lx.t(), down).mul_(opts.low_rank_scale)  # [C, N] @ [N, r]
+                g_up[c0:c0 + cl] = wide_mm(lx.t(), down).mul_(opts.low_rank_scale)  # [C, N] @ [N, r]
             if need_down:
-                _accumulate_mm(g_down, lx, up[c0:c0 + cl])  # [N, C] @ [C, r]
+                accumulate_mm(g_down, lx, up[c0:c0 + cl])  # [N, C] @ [C, r]
         del buf, lbuf, dbias
 
     if g_down is not None:
@@ -238,48 +259,65 @@ def _backward(g, hidden, weight, labels, bias, down, up, lse2, opts: HeadOptions
     return g_h, g_w, g_b, g_down, g_up
 
 
-# torch.mm / torch.addmm(..., out_dtype=float32): a bf16/fp16 GEMM that returns (or adds
-# into) its fp32 accumulator instead of rounding it. CUDA only, recent PyTorch.
-_HAS_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")
+class TritonBlocks:
+    """This backend's block math for the loss-aware mode (`ops/loss_aware.py`).
+
+    A block's state is its raw logits L = h W^T, [R, V] in the input dtype (one cuBLAS
+    GEMM); the kernels fold all V columns at once and then overwrite L with G in place,
+    so the block costs exactly R x V logits of the input dtype.
+    """
+
+    @staticmethod
+    def bytes_per_logit(dtype: torch.dtype, opts: HeadOptions) -> int:
+        return dtype.itemsize
+
+    @staticmethod
+    def forward(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None, opts: HeadOptions):
+        """Returns (state, logps, entropy, logit_mean, argmax_match, lse2) of the block's rows."""
+        with _on(hidden):
+            n, v = hidden.shape[0], weight.shape[0]
+            valid = labels != opts.ignore_index
+            lab = torch.where(valid, labels, -1).to(torch.int32)
+            x = torch.mm(hidden, weight.t())  # [R, H] @ [H, V]
+            state = _new_state(n, opts, hidden.device, lab)
+            _fold(x, None, bias, lab, state, 0, opts, _block_fwd_config(n, v, x.is_cuda))
+            logps, entropy, mean, match, lse2 = _finish(state, valid, labels, v, opts)
+        return (x, lab, bias), logps, entropy, mean, match, lse2
+
+    @staticmethod
+    def gradient(state, labels: Tensor, lse2: Tensor, coef: Tensor, opts: HeadOptions, need_bias: bool):
+        """G = d(sum_i coef_i logp_i) / d(raw logits), over the block's logits [R, V] (input
+        dtype), and its column sums in fp32 for the bias when `need_bias`."""
+        x, lab, bias = state  # x holds h W^T; the kernels add the bias themselves
+        n, v = x.shape
+        with _on(x):
+            gs = torch.where(lab >= 0, coef.float(), 0.0) * (opts.logit_scale / opts.temperature)
+            br, bc, warps = _blocks(BWD_CONFIG, n, v, x.is_cuda)
+            row_blocks = triton.cdiv(n, br)
+            dbias = torch.empty(row_blocks, v, dtype=torch.float32, device=x.device) if need_bias else lab
+            _kernels().bwd_chunk_kernel[(row_blocks, triton.cdiv(v, bc))](
+                x, v, x, v, x if bias is None else bias, lab, lse2, gs, dbias, v,
+                n, 0, v, *_scalars(opts),
+                HAS_BIAS=bias is not None, HAS_LORA=False, HAS_SOFTCAP=opts.softcap is not None, BIAS_GRAD=need_bias,
+                LORA_GRAD=False, ACCURATE_TANH=x.is_cuda, BLOCK_R=br, BLOCK_C=bc, num_warps=warps,
+            )
+        return x, (dbias.sum(dim=0) if need_bias else None)
+
+    @staticmethod
+    def backward(g, hidden, weight, labels, bias, lse2, opts: HeadOptions, *, need_h, need_w, need_b):
+        """The ordinary (recomputing) backward, for when the declared loss was not the real one."""
+        with _on(hidden):
+            g_h, g_w, g_b, _, _ = _backward(g, hidden, weight, labels, bias, None, None, lse2, opts,
+                                            need=(need_h, need_w, need_b, False, False))
+        return g_h, g_w, g_b
 
 
-def _wide_mm(a: Tensor, b: Tensor) -> Tensor:
-    """a @ b in fp32 (or a's dtype when that is wider)."""
-    if a.dtype not in _HALF:
-        return torch.mm(a, b)
-    if a.is_cuda and _HAS_MM_OUT_DTYPE:
-        return torch.mm(a, b, out_dtype=torch.float32)
-    if a.is_cuda:
-        return torch.mm(a, b).float()
-    return torch.mm(a.float(), b.float())  # CPU (interpreter tests): exact products, fp32 sums
-
-
-def _accumulate_mm(acc: Tensor, a: Tensor, b: Tensor) -> None:
-    """acc += a @ b with acc in fp32 while a, b may be bf16/fp16."""
-    if a.dtype == acc.dtype:
-        acc.addmm_(a, b)
-    elif a.is_cuda and _addmm_into_fp32_works(a.device, a.dtype):
-        # cuBLAS reads acc as C with beta = 1: no [N, H] temporary, one pass over acc.
-        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
-    else:
-        acc.add_(_wide_mm(a, b))
-
-
-@functools.lru_cache(maxsize=None)
-def _addmm_into_fp32_works(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether this PyTorch accumulates a half-precision GEMM into an fp32 tensor in place."""
-    if not hasattr(torch.ops.aten.addmm, "dtype_out"):
-        return False
-    gen = torch.Generator(device=device).manual_seed(0)
-    a = torch.randn(64, 48, device=device, generator=gen).to(dtype)
-    b = torch.randn(48, 40, device=device, generator=gen).to(dtype)
-    acc = torch.randn(64, 40, device=device, generator=gen)
-    want = acc + a.float() @ b.float()
-    try:
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-    except (RuntimeError, TypeError, NotImplementedError):
-        return False
-    return bool(torch.allclose(acc, want, rtol=1e-3, atol=1e-3))
+def _block_fwd_config(n: int, v: int, cuda: bool) -> tuple[int, int, int]:
+    """A block has few rows and all V columns: fewer rows per program keep the SMs busy."""
+    if not cuda:
+        return _blocks(FWD_CONFIG, n, v, cuda)
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return FWD_CONFIG if triton.cdiv(n, FWD_CONFIG[0]) >= 4 * sms else BLOCK_FWD_CONFIG
 
 
 def triton_head_logprobs(
@@ -308,5 +346,5 @@ def _dtype_reason(dtype: torch.dtype) -> str | None:
 
 register_backend(
     Backend(key="triton", name="triton", run=triton_head_logprobs,
-            unavailable_reason=_device_reason, dtype_reason=_dtype_reason)
+            unavailable_reason=_device_reason, dtype_reason=_dtype_reason, blocks=TritonBlocks())
 )

@@ -1,0 +1,236 @@
+"""Loss-aware mode of `head_logprobs`: the head's gradient formed in its forward.
+
+A per-token op does not know its upstream gradient in the forward, so its backward must
+recompute every chunk's logits: four logits-sized GEMMs (forward, recompute, grad_h,
+grad_W). The losses we train are mostly functions of per-sequence sums of log-probs that
+couple only a few sequences (a DPO pair), and the reference's log-probs are known before
+the policy's forward. Declared as a `SequenceLoss`, such a loss lets the op take one block
+of whole groups at a time:
+
+    L_b = h_b W^T                       one GEMM; the block's logits are kept   [R, V]
+    logp, S_s = sum of s's rows          the block's sums are now complete
+    c_s = dL/dS_s                        from the declared loss
+    G_b = c (onehot - softmax) ...       in place over L_b
+    grad_h[b] = G_b W,  grad_W += G_b^T h_b
+
+three GEMMs, no recompute; the block's logits are bounded by a budget (whole groups of
+rows x V) rather than by N x V.
+
+Backward receives the real upstream gradient g. It must equal alpha * c_{s(i)} on every
+row for one constant alpha (the caller's normaliser, a backend's loss scaling): the op
+fits alpha, checks the residual, and returns alpha times the stored gradients. If the
+check fails, the loss was not the one declared: it warns once and computes the exact
+gradient of the real g by the backend's ordinary, recomputing backward. Slower, never
+wrong.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from fusedalign.ops.gemm import accumulate_mm, wide_mm
+from fusedalign.ops.options import (
+    BLOCK_TARGET_ROWS,
+    DEFAULT_BLOCK_BUDGET_BYTES_CPU,
+    DEFAULT_BLOCK_BUDGET_BYTES_CUDA,
+    HeadOptions,
+    HeadOutput,
+    SequenceLoss,
+    compute_dtype,
+)
+
+# g may differ from alpha * c by rounding only: c and g come from the same sums through
+# the same loss, in fp32. A larger residual means another loss (an extra per-token term).
+MATCH_RTOL = 1e-4
+
+# How often each path ran in this process: "forward" (loss-aware forwards), "backward"
+# (backwards that used the stored gradients), "recomputed" (declared loss did not match),
+# "over_budget" (a group did not fit the block budget: the ordinary path ran). Tests and
+# the parity runner read it; nothing in the library depends on it.
+CALLS: Counter = Counter()
+
+
+class _Plan(NamedTuple):
+    """Everything non-tensor the autograd function needs, in one argument."""
+
+    blocks: list[Tensor]  # row indices of each block, [R_b] long
+    segments: Tensor  # [N] long
+    num_sequences: int
+    grad: Any  # SequenceLoss.grad
+    math: Any  # the backend's block math (e.g. chunked.TorchBlocks)
+
+
+def plan_blocks(
+    loss: SequenceLoss, n: int, v: int, bytes_per_logit: int, device: torch.device,
+    budget_bytes: int | None,
+) -> list[Tensor] | None:
+    """Row indices of each block (whole groups, in group order), or None when a group
+    alone exceeds the budget. One host sync (the group sizes)."""
+    if budget_bytes is None:
+        cuda = device.type == "cuda"
+        budget_bytes = DEFAULT_BLOCK_BUDGET_BYTES_CUDA if cuda else DEFAULT_BLOCK_BUDGET_BYTES_CPU
+    max_rows = budget_bytes // max(v * bytes_per_logit, 1)
+    row_group = loss.groups.index_select(0, loss.segments)  # [N]
+    order = torch.argsort(row_group, stable=True)  # rows grouped, in their order within a group
+    sizes = torch.bincount(row_group).tolist()
+    if max(sizes, default=0) > max_rows:
+        return None
+    blocks, start, rows = [], 0, 0
+    for size in sizes:
+        if rows and rows + size > max_rows:
+            blocks.append(order[start:start + rows])
+            start, rows = start + rows, 0
+        rows += size
+        if rows >= BLOCK_TARGET_ROWS:
+            blocks.append(order[start:start + rows])
+            start, rows = start + rows, 0
+    if rows:
+        blocks.append(order[start:start + rows])
+    return blocks
+
+
+def check_sequence_loss(loss: SequenceLoss, n: int, device: torch.device) -> None:
+    """Shapes, dtypes and ranges of a declared loss, with messages naming the field."""
+    if not isinstance(loss, SequenceLoss):
+        raise TypeError(f"sequence_loss must be a fusedalign.ops.SequenceLoss or None, got {type(loss).__name__}")
+    for name, t in (("segments", loss.segments), ("groups", loss.groups)):
+        if not isinstance(t, Tensor) or t.dim() != 1 or t.dtype != torch.long:
+            raise TypeError(f"sequence_loss.{name} must be a 1-D torch.long tensor, got {t!r:.80}")
+        if t.device != device:
+            raise ValueError(f"sequence_loss.{name} is on {t.device} but hidden is on {device}")
+    if loss.segments.shape[0] != n:
+        raise ValueError(f"sequence_loss.segments must be [N] = [{n}]; got {tuple(loss.segments.shape)}")
+    if not callable(loss.grad):
+        raise TypeError("sequence_loss.grad must be callable: sums [S] -> dL/dS [S]")
+
+
+def loss_aware_head_logprobs(
+    math: Any, hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None,
+    loss: SequenceLoss, opts: HeadOptions, name: str, budget_bytes: int | None,
+) -> HeadOutput | None:
+    """The loss-aware op on scored rows only (api.py drops the ignored ones), or None when
+    a group does not fit the block budget (the caller then runs the ordinary path)."""
+    n, v = hidden.shape[0], weight.shape[0]
+    s = loss.groups.shape[0]
+    seg_min, seg_max = (int(x) for x in torch.stack([loss.segments.min(), loss.segments.max()]).tolist())
+    if seg_min < 0 or seg_max >= s:
+        raise ValueError(f"sequence_loss.segments must lie in [0, S) = [0, {s}) on scored rows; "
+                         f"found values in [{seg_min}, {seg_max}]")
+    blocks = plan_blocks(loss, n, v, math.bytes_per_logit(hidden.dtype, opts), hidden.device, budget_bytes)
+    if blocks is None:
+        CALLS["over_budget"] += 1
+        return None
+    plan = _Plan(blocks, loss.segments, s, loss.grad, math)
+    logps, entropy, mean, match = _LossAwareHead.apply(hidden, weight, labels, bias, plan, opts)
+    CALLS["forward"] += 1
+    return HeadOutput(logps, entropy, mean, match, backend=name, loss_aware=True)
+
+
+class _LossAwareHead(torch.autograd.Function):
+    """Autograd function; `plan` and `opts` carry everything non-tensor (fixed backward arity)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, bias, plan: _Plan, opts: HeadOptions):
+        need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3])
+        with torch.autocast(hidden.device.type, enabled=False):
+            out = _forward(hidden, weight, labels, bias, plan, opts, need)
+        logps, entropy, mean, match, lse, coef, g_h, g_w, g_b = out
+        ctx.save_for_backward(hidden, weight, labels, bias, lse, coef, g_h, g_w, g_b)
+        ctx.opts, ctx.math, ctx.need = opts, plan.math, need
+        ctx.mark_non_differentiable(*[t for t in (entropy, mean, match) if t is not None])
+        return logps, entropy, mean, match
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_logps, _grad_entropy, _grad_mean, _grad_argmax):
+        hidden, weight, labels, bias, lse, coef, g_h, g_w, g_b = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.need
+        alpha = _fit_scale(grad_logps, coef)
+        with torch.autocast(hidden.device.type, enabled=False):
+            if alpha is None:
+                CALLS["recomputed"] += 1
+                warnings.warn(
+                    "fusedalign head: the upstream gradient does not match the declared sequence loss "
+                    "(SequenceLoss.grad); recomputing the exact gradient the ordinary way (slower). The "
+                    "caller's loss is not the declared one: declare it correctly or pass none.",
+                    RuntimeWarning, stacklevel=2,
+                )
+                grads = ctx.math.backward(grad_logps, hidden, weight, labels, bias, lse, ctx.opts,
+                                          need_h=need_h, need_w=need_w, need_b=need_b)
+            else:
+                CALLS["backward"] += 1
+                grads = [None if acc is None else _scaled_cast(acc, alpha, like.dtype)
+                         for acc, like in ((g_h, hidden), (g_w, weight), (g_b, bias))]
+        return grads[0], grads[1], None, grads[2], None, None
+
+
+def _forward(hidden, weight, labels, bias, plan: _Plan, opts: HeadOptions, need):
+    n, dev = hidden.shape[0], hidden.device
+    cdt = compute_dtype(hidden.dtype)
+    need_h, need_w, need_b = need
+    logps = torch.zeros(n, dtype=cdt, device=dev)
+    lse = torch.zeros(n, dtype=cdt, device=dev)  # the backend's own form, for its recomputing backward
+    coef = torch.zeros(n, dtype=cdt, device=dev)  # dL/dS of each row's sequence, as predicted
+    entropy = torch.zeros(n, dtype=cdt, device=dev) if opts.entropy else None
+    mean = torch.zeros(n, dtype=cdt, device=dev) if opts.logit_mean else None
+    match = torch.zeros(n, dtype=torch.bool, device=dev) if opts.argmax else None
+    # Gradients summed over blocks stay in fp32 (fp64 for fp64 inputs) until backward has
+    # scaled them by alpha; then they are rounded once.
+    g_h = torch.zeros(hidden.shape, dtype=cdt, device=dev) if need_h else None
+    g_w = torch.zeros(weight.shape, dtype=cdt, device=dev) if need_w else None
+    g_b = torch.zeros(bias.shape, dtype=cdt, device=dev) if need_b else None
+    sums = torch.zeros(plan.num_sequences, dtype=torch.float64, device=dev)
+
+    for rows in plan.blocks:
+        h_b, lab_b, seg_b = hidden.index_select(0, rows), labels.index_select(0, rows), plan.segments.index_select(0, rows)
+        state, lp, ent, mu, am, lse_b = plan.math.forward(h_b, weight, lab_b, bias, opts)
+        for dst, val in ((logps, lp), (lse, lse_b), (entropy, ent), (mean, mu), (match, am)):
+            if dst is not None:
+                dst.index_copy_(0, rows, val.to(dst.dtype))
+        # The block's sequences are complete: fp64 sums, so that the caller's own sum of
+        # the same log-probs (also fp64, see DPOTrainer) rounds to the same value.
+        sums.index_add_(0, seg_b, lp.double())
+        with torch.enable_grad():
+            dl_ds = plan.grad(sums.to(cdt))
+        coef_b = dl_ds.detach().to(cdt).index_select(0, seg_b)  # [R]
+        coef.index_copy_(0, rows, coef_b)
+        G, db = plan.math.gradient(state, lab_b, lse_b, coef_b, opts, need_b)  # [R, V], input dtype
+        del state
+        if need_h:
+            g_h.index_copy_(0, rows, wide_mm(G, weight, cdt))  # [R, V] @ [V, H]
+        if need_w:
+            accumulate_mm(g_w, G.t(), h_b)  # [V, R] @ [R, H]
+        if need_b:
+            g_b.add_(db)
+        del G
+    return logps, entropy, mean, match, lse, coef, g_h, g_w, g_b
+
+
+def _fit_scale(g: Tensor, c: Tensor) -> float | None:
+    """alpha with g = alpha * c on every row (to MATCH_RTOL of max |g|), or None. One host sync."""
+    g, c = g.to(c.dtype), c
+    cc = (c * c).sum()
+    alpha = torch.where(cc > 0, (g * c).sum() / cc.clamp(min=torch.finfo(c.dtype).tiny), 0.0)
+    resid = (g - alpha * c).abs().max() if g.numel() else g.new_zeros(())
+    scale = g.abs().max() if g.numel() else g.new_zeros(())
+    alpha_v, resid_v, scale_v = torch.stack([alpha, resid, scale]).tolist()
+    finite = all(x == x and abs(x) != float("inf") for x in (alpha_v, resid_v, scale_v))
+    if not finite or resid_v > MATCH_RTOL * scale_v:
+        return None
+    return alpha_v
+
+
+def _scaled_cast(acc: Tensor, alpha: float, dtype: torch.dtype, rows: int = 1 << 14) -> Tensor:
+    """(alpha * acc).to(dtype), one rounding, slice by slice: no second accumulator-sized
+    temporary, and the stored accumulator stays as it was (a retained graph may run again)."""
+    out = torch.empty(acc.shape, dtype=dtype, device=acc.device)
+    flat_in, flat_out = acc.reshape(acc.shape[0], -1), out.view(acc.shape[0], -1)
+    for start in range(0, acc.shape[0], rows):
+        flat_out[start:start + rows] = flat_in[start:start + rows] * alpha
+    return out
