@@ -28,6 +28,13 @@ class DPOConfig(FusedAlignConfig):
     precompute_ref_log_probs: bool = field(default=False)
     reference_free: bool = field(default=False)
     ref_model_name_or_path: str | None = field(default=None, metadata={"help": "Default: the policy's own path."})
+    loss_aware_head: bool = field(
+        default=True,
+        metadata={"help": "With the fused head, form the head's gradient in its forward from the DPO loss (the "
+                  "reference runs first): three logits GEMMs instead of four, at the cost of one pair's logits "
+                  "(a block of whole pairs) held during the head's forward. Every loss type but aot, aot_pair "
+                  "and bco_pair. Same result; false runs the per-token op."},
+    )
 
     def __post_init__(self):
         super().__post_init__()

@@ -5,7 +5,7 @@ count); batch statistics come back as detached sums with counts, for the trainer
 all-reduce (sum) and divide once.
 """
 
-from .dpo import DPO_LOSSES, DPOLossOutput, check_dpo_args, dpo_losses
+from .dpo import DPO_LOSSES, DPOLossOutput, check_dpo_args, dpo_losses, pairwise_dpo_losses
 from .dpo_metrics import DPOMetrics, RewardMean, bco_reward_mean, dpo_metrics
 from .kto import KTO_LOSSES, KTOLossOutput, check_kto_args, kto_losses
 from .kto_stats import KLSums, KTOMetrics, kl_estimate, kl_from_sums, kl_sums, kto_metrics
@@ -15,5 +15,5 @@ __all__ = [
     "DPO_LOSSES", "DPOLossOutput", "DPOMetrics", "KLSums", "KTO_LOSSES", "KTOLossOutput",
     "KTOMetrics", "RewardMean", "SFTMetrics", "bco_reward_mean", "check_dpo_args",
     "check_kto_args", "dpo_losses", "dpo_metrics", "kl_estimate", "kl_from_sums", "kl_sums",
-    "kto_losses", "kto_metrics", "sft_loss", "sft_metrics",
+    "kto_losses", "kto_metrics", "pairwise_dpo_losses", "sft_loss", "sft_metrics",
 ]

@@ -37,6 +37,17 @@ DPO_LOSSES: dict[str, DPOVariant] = {
 }
 
 
+# Variants whose loss for one pair depends on other pairs of the batch: aot sorts across it,
+# bco_pair shifts by a running mean that includes this batch's rewards.
+BATCH_COUPLED_LOSSES = frozenset({"aot", "aot_pair", "aot_unpaired", "bco_pair"})
+
+
+def pairwise_dpo_losses(loss_type: str | Sequence[str]) -> bool:
+    """Whether each pair's loss is a function of that pair's log-probs alone (for every type)."""
+    types = [loss_type] if isinstance(loss_type, str) else list(loss_type)
+    return not BATCH_COUPLED_LOSSES.intersection(types)
+
+
 class DPOLossOutput(NamedTuple):
     losses: Tensor  # [B] weighted sum over the loss types, per pair, connected to the inputs
     chosen_rewards: Tensor  # [B] beta * (chosen - ref_chosen), detached

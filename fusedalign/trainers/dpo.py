@@ -14,8 +14,8 @@ from torch import nn
 
 from fusedalign.configs import DPOConfig
 from fusedalign.data import DPOCollator, position_labels, prepare_dpo_dataset
-from fusedalign.head import IGNORE_INDEX
-from fusedalign.losses import bco_reward_mean, check_dpo_args, dpo_losses
+from fusedalign.head import IGNORE_INDEX, RowLoss
+from fusedalign.losses import bco_reward_mean, check_dpo_args, dpo_losses, pairwise_dpo_losses
 from fusedalign.trainers.base import FusedAlignTrainer, Metrics
 from fusedalign.trainers.common import prepare_models, tokenize_split
 from fusedalign.trainers.reference import PrecomputedReferenceMixin
@@ -109,26 +109,56 @@ class DPOTrainer(PrecomputedReferenceMixin, FusedAlignTrainer):
         args = self.args
         labels = self._labels(inputs)
         model_inputs = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]}
-        out = self.token_logprobs(model, model_inputs, labels, logit_mean=True)
         mask = labels != IGNORE_INDEX  # [2B, T]
-        seq = out.logps.sum(-1)  # [2B]
         lengths = mask.sum(-1)
+        valid = self._valid_pairs(labels).float()  # [B]
+        # The reference first: with it known, the policy's head can form its gradient in
+        # its own forward (the loss-aware head).
         ref = self._reference_logps(model, inputs, labels, mode).detach()
+        row_loss = self._row_loss(ref, lengths, valid) if self._loss_aware(mode) else None
+        out = self.token_logprobs(model, model_inputs, labels, logit_mean=True, row_loss=row_loss)
+        # Summed in fp64 (then rounded once): the loss-aware head sums the same log-probs the
+        # same way, so the loss it predicts is the loss computed here.
+        seq = out.logps.double().sum(-1).to(out.logps.dtype)  # [2B]
         half = seq.shape[0] // 2
         if "bco_pair" in args.loss_type and mode == "train":
             # BCO's reward shift: a running mean over every reward seen, this batch included.
             self._update_bco_delta(args.beta * (seq - ref).detach()[:half], args.beta * (seq - ref).detach()[half:])
-        result = dpo_losses(
+        result = self._pair_losses(seq, ref, lengths)
+        # Pairs with nothing to score contribute zero but stay in the graph.
+        loss_sum = (result.losses * valid).sum()
+        return loss_sum, self._metrics(result, seq.detach(), out.logit_mean, mask, valid)
+
+    def _pair_losses(self, seq: torch.Tensor, ref: torch.Tensor, lengths: torch.Tensor):
+        """Per-pair losses [B] from the policy's and reference's sequence log-probs [2B]."""
+        args, half = self.args, seq.shape[0] // 2
+        return dpo_losses(
             seq[:half], seq[half:], ref[:half], ref[half:],
             loss_type=args.loss_type, beta=args.beta, label_smoothing=args.label_smoothing,
             loss_weights=args.loss_weights, chosen_lengths=lengths[:half].clamp(min=1),
             rejected_lengths=lengths[half:].clamp(min=1), bco_delta=self._bco_delta.to(seq.device),
             discopop_tau=args.discopop_tau,
         )
-        valid = self._valid_pairs(labels).float()  # [B]
-        # Pairs with nothing to score contribute zero but stay in the graph.
-        loss_sum = (result.losses * valid).sum()
-        return loss_sum, self._metrics(result, seq.detach(), out.logit_mean, mask, valid)
+
+    def _loss_aware(self, mode: str) -> bool:
+        """Whether the policy's head may form its gradient in the forward: fused, training,
+        and every loss type a function of its own pair alone (not aot's batch sort, not
+        bco_pair's running mean, which is updated from this very batch)."""
+        args = self.args
+        return (args.fused_head and args.loss_aware_head and mode == "train" and torch.is_grad_enabled()
+                and pairwise_dpo_losses(args.loss_type))
+
+    def _row_loss(self, ref: torch.Tensor, lengths: torch.Tensor, valid: torch.Tensor) -> RowLoss:
+        """The loss as the head needs it: d(sum of valid pair losses)/d(row sums), each pair its own group."""
+        half = ref.shape[0] // 2
+
+        def grad(sums: torch.Tensor) -> torch.Tensor:
+            sums = sums.detach().requires_grad_()
+            losses = self._pair_losses(sums, ref.to(sums.dtype), lengths).losses
+            return torch.autograd.grad((losses * valid.to(sums.dtype)).sum(), sums)[0]
+
+        pair = torch.arange(half, device=ref.device)
+        return RowLoss(groups=torch.cat([pair, pair]), grad=grad)
 
     def _update_bco_delta(self, chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor) -> None:
         batch = bco_reward_mean(chosen_rewards, rejected_rewards)

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 from datasets import Dataset
 
 from fusedalign.configs import DPOConfig
 from fusedalign.data import load_dataset_any
-from fusedalign.losses import DPO_LOSSES
+from fusedalign.losses import DPO_LOSSES, pairwise_dpo_losses
+from fusedalign.ops import loss_aware
 from fusedalign.models import load_model
 from fusedalign.trainers.dpo import DPOTrainer
 
@@ -31,12 +34,22 @@ def _args(tmp_path, **overrides) -> DPOConfig:
     return DPOConfig(**values)
 
 
-def _train(tmp_path, dataset, **overrides):
+def _train(tmp_path, dataset, calls: Counter | None = None, **overrides):
+    """(per-step losses, final weights); `calls` receives how often each loss-aware path ran."""
     torch.manual_seed(0)
     trainer = DPOTrainer(model=load_model(MODEL), args=_args(tmp_path, **overrides), train_dataset=dataset)
+    before = Counter(loss_aware.CALLS)
     trainer.train()
+    if calls is not None:
+        calls.update(Counter(loss_aware.CALLS) - before)
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     return losses, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+def _assert_loss_aware_ran(calls: Counter, steps: int) -> None:
+    """The policy's head formed its gradient in every step's forward and never had to recompute."""
+    assert calls["forward"] == steps and calls["backward"] == steps, calls
+    assert calls["recomputed"] == 0 and calls["over_budget"] == 0, calls
 
 
 # label_smoothing must be > 0 for exo_pair; use it for every type that accepts it.
@@ -47,8 +60,13 @@ LOSS_TYPES = sorted(set(DPO_LOSSES) - {"aot_unpaired"})
 def test_every_loss_type_trains_the_same_fused_and_unfused(tmp_path, zen, loss_type):
     smoothing = 1e-3 if loss_type == "exo_pair" else 0.0
     # A step with a non-trivial reference (the policy after step 1) exercises every term.
-    fused = _train(tmp_path / "f", zen, loss_type=[loss_type], label_smoothing=smoothing, fused_head=True)
+    calls = Counter()
+    fused = _train(tmp_path / "f", zen, calls, loss_type=[loss_type], label_smoothing=smoothing, fused_head=True)
     unfused = _train(tmp_path / "u", zen, loss_type=[loss_type], label_smoothing=smoothing, fused_head=False)
+    if pairwise_dpo_losses(loss_type):
+        _assert_loss_aware_ran(calls, steps=2)
+    else:  # aot sorts across the batch, bco_pair shifts by this batch's mean: the per-token op
+        assert calls["forward"] == 0, calls
     assert len(fused[0]) == 2 and all(torch.isfinite(torch.tensor(fused[0])))
     torch.testing.assert_close(torch.tensor(fused[0]), torch.tensor(unfused[0]), rtol=1e-5, atol=1e-6)
     for key, value in unfused[1].items():
@@ -57,9 +75,36 @@ def test_every_loss_type_trains_the_same_fused_and_unfused(tmp_path, zen, loss_t
 
 def test_combined_loss_types_with_weights(tmp_path, zen):
     combo = dict(loss_type=["sigmoid", "sft", "apo_zero"], loss_weights=[1.0, 0.5, 0.2])
-    fused = _train(tmp_path / "f", zen, fused_head=True, **combo)
+    calls = Counter()
+    fused = _train(tmp_path / "f", zen, calls, fused_head=True, **combo)
     unfused = _train(tmp_path / "u", zen, fused_head=False, **combo)
+    _assert_loss_aware_ran(calls, steps=2)
     torch.testing.assert_close(torch.tensor(fused[0]), torch.tensor(unfused[0]), rtol=1e-5, atol=1e-6)
+    for key, value in unfused[1].items():
+        torch.testing.assert_close(fused[1][key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_loss_aware_head_off_runs_the_per_token_op_and_trains_the_same(tmp_path, zen):
+    on_calls, off_calls = Counter(), Counter()
+    on = _train(tmp_path / "on", zen, on_calls)
+    off = _train(tmp_path / "off", zen, off_calls, loss_aware_head=False)
+    _assert_loss_aware_ran(on_calls, steps=2)
+    assert sum(off_calls.values()) == 0, off_calls
+    torch.testing.assert_close(torch.tensor(on[0]), torch.tensor(off[0]), rtol=1e-5, atol=1e-6)
+    for key, value in off[1].items():
+        torch.testing.assert_close(on[1][key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_loss_aware_head_with_gradient_accumulation_equals_one_large_batch(tmp_path, zen):
+    # The trainer's normaliser differs between the two (1/8 vs 1/4 per micro-batch): the head
+    # fits it in backward.
+    calls = Counter()
+    split = _train(tmp_path / "s", zen, calls, per_device_train_batch_size=2, gradient_accumulation_steps=4)
+    whole = _train(tmp_path / "w", zen, per_device_train_batch_size=8)
+    _assert_loss_aware_ran(calls, steps=8)
+    torch.testing.assert_close(torch.tensor(split[0]), torch.tensor(whole[0]), rtol=1e-5, atol=1e-6)
+    for key, value in whole[1].items():
+        torch.testing.assert_close(split[1][key], value, rtol=1e-5, atol=1e-6, msg=key)
 
 
 def test_reference_free_needs_no_reference_and_differs_from_dpo(tmp_path, zen):
