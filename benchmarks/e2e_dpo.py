@@ -7,6 +7,9 @@ loaded by path) and the same synthetic preference data, each of:
     ours_fused_liger  ours fused, plus Liger's RMSNorm/SwiGLU/RoPE kernels (liger_kernels=True)
     ours_fused_compile  ours fused, decoder layers torch.compile'd (compile_layers=True)
     ours_fused_compile_liger  both of the above
+    ours_fused_compile_pertoken  ours_fused_compile with loss_aware_head=False: the per-token
+                   head (four logits GEMMs) instead of the loss-aware one (three); every other
+                   ours_fused* config uses the loss-aware head, DPOTrainer's default
     ours_unfused   fusedalign.DPOTrainer, fused_head=False (full logits)
     trl            trl.DPOTrainer                           (when `import trl` works)
     trl_liger      trl.DPOTrainer, use_liger_kernel=True    (and liger_kernel imports)
@@ -79,10 +82,10 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # this working tree's fusedalign, however it is installed
 
-CONFIGS = ("ours_fused", "ours_fused_liger", "ours_fused_compile", "ours_fused_compile_liger", "ours_unfused",
-           "trl", "trl_liger")
+CONFIGS = ("ours_fused", "ours_fused_liger", "ours_fused_compile", "ours_fused_compile_liger",
+           "ours_fused_compile_pertoken", "ours_unfused", "trl", "trl_liger")
 OURS_LIGER = ("ours_fused_liger", "ours_fused_compile_liger")
-CHECKED = ("ours_fused", "ours_fused_compile", "ours_unfused", "trl")  # must agree on the first steps
+CHECKED = ("ours_fused", "ours_fused_compile", "ours_fused_compile_pertoken", "ours_unfused", "trl")  # must agree on the first steps
 SEARCH_CONFIGS = ("ours_fused", "trl_liger")
 LN2 = math.log(2.0)
 
@@ -402,6 +405,7 @@ def build_ours(args, config: str, length: int, output_dir: str, rows: dict, toke
     training_args = DPOConfig(
         **kwargs, fused_head=config.startswith("ours_fused"), liger_kernels=config in OURS_LIGER,
         compile_layers="compile" in config, max_prompt_length=None,
+        loss_aware_head=not config.endswith("_pertoken"),
     )
     trainer = BenchDPOTrainer(model=args.model_dir, args=training_args, train_dataset=None,
                               processing_class=tokenizer, callbacks=[callback])

@@ -6,7 +6,10 @@ cross-entropy, Cut Cross-Entropy; both per token, reduction="none", logp = -CE) 
 plain logits GEMM as the yardstick:
 
 - fwd+bwd: median wall time of forward + backward to hidden and weight, under a random
-  per-token upstream gradient (CUDA events and synchronisation on GPU);
+  per-token upstream gradient (CUDA events and synchronisation on GPU); with `--pairs P`,
+  under a DPO loss instead (sigmoid, beta 0.1, over P pairs of sequences of N / 2P tokens
+  against a random reference), which `BACKEND+aware` declares to the op so that it forms
+  its gradient in the forward (the loss-aware mode: three logits GEMMs, not four);
 - peak extra memory (GPU only): the high-water mark above what was allocated before the
   call, minus the gradients it returns (every method returns the same ones);
 - error: max_i |logp_i - truth_i| / max_i |truth_i|, truth computed in float64 (chunked,
@@ -16,6 +19,7 @@ Examples:
     python benchmarks/head_op.py                       # CUDA if present, else small CPU shapes
     python benchmarks/head_op.py --device cuda --h 896 4096 --repeats 10
     python benchmarks/head_op.py --device cpu --n 256 --v 2048 --h 32 --backends torch reference
+    python benchmarks/head_op.py --h 896 --pairs 8 --backends triton triton+aware liger
 """
 
 from __future__ import annotations
@@ -49,6 +53,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"any of {[b for b in known_backends() if b != 'auto']} + {list(PEERS)}"
                         "; ours take an optional memory budget in MiB, e.g. triton@64; "
                         "default: all")
+    p.add_argument("--pairs", type=int, default=0,
+                   help="upstream gradient from a DPO loss over this many pairs (N / 2P tokens a "
+                        "sequence) instead of a random one per token; BACKEND+aware declares it to the op")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     defaults = GPU_DEFAULTS if args.device.startswith("cuda") else CPU_DEFAULTS
@@ -59,16 +66,18 @@ def parse_args(argv=None) -> argparse.Namespace:
         ours_first = sorted((b for b in known_backends() if b != "auto"),
                             key=lambda b: (b == "reference", b != "torch", b))
         args.backends = ours_first + list(PEERS)
+    if args.pairs and args.n % (2 * args.pairs):
+        p.error(f"--n {args.n} must split into 2 x --pairs {args.pairs} sequences of equal length")
     return args
 
 
 # --------------------------------------------------------------------------- methods
 
 
-def ours(backend: str, budget_bytes: int | None = None) -> Callable:
-    def run(hidden, weight, labels):
-        return head_logprobs(hidden, weight, labels, backend=backend,
-                             memory_budget_bytes=budget_bytes).logps
+def ours(backend: str, budget_bytes: int | None = None, aware: bool = False) -> Callable:
+    def run(hidden, weight, labels, sequence_loss=None):
+        return head_logprobs(hidden, weight, labels, backend=backend, memory_budget_bytes=budget_bytes,
+                             sequence_loss=sequence_loss if aware else None).logps
     return run
 
 
@@ -77,7 +86,7 @@ def liger() -> Callable:
 
     loss_fn = LigerFusedLinearCrossEntropyLoss(reduction="none")
 
-    def run(hidden, weight, labels):
+    def run(hidden, weight, labels, sequence_loss=None):
         out = loss_fn(weight, hidden, labels)
         # Some versions return (loss, z_loss, ...) or an output object.
         out = getattr(out, "loss", out)
@@ -88,7 +97,7 @@ def liger() -> Callable:
 def cce() -> Callable:
     from cut_cross_entropy import linear_cross_entropy
 
-    def run(hidden, weight, labels):
+    def run(hidden, weight, labels, sequence_loss=None):
         return -linear_cross_entropy(hidden, weight, labels, reduction="none")
     return run
 
@@ -99,14 +108,18 @@ def method(name: str, device: torch.device) -> tuple[str, Callable]:
         return "Liger fused linear CE", liger()
     if name == "cce":
         return "Cut Cross-Entropy", cce()
-    # "triton@64": our backend with memory_budget_bytes = 64 MiB (one fp32 logits chunk).
+    # "triton@64": our backend with memory_budget_bytes = 64 MiB (one fp32 logits chunk);
+    # "triton+aware": the loss-aware mode (with --pairs).
+    name, aware = (name[: -len("+aware")], True) if name.endswith("+aware") else (name, False)
     name, _, mib = name.partition("@")
     budget = int(float(mib) * 2**20) if mib else None
     label = resolve_backend(name, device).name  # raises if unknown or unavailable here
     label = f"fusedalign {label}" + (" (unfused)" if name == "reference" else "")
     if budget is not None:
         label += f" (budget {mib} MiB)"
-    return label, ours(name, budget)
+    if aware:
+        label += " loss-aware"
+    return label, ours(name, budget, aware)
 
 
 # --------------------------------------------------------------------------- measuring
@@ -139,13 +152,18 @@ def fresh(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def bench_method(fn, hidden, weight, labels, g, repeats, device):
-    """(median ms, peak extra bytes or None, detached fp32 logps of the first run)."""
+def bench_method(fn, hidden, weight, labels, g, repeats, device, pairs=None):
+    """(median ms, peak extra bytes or None, detached fp32 logps of the first run).
+
+    `pairs` = (sequence loss, loss of the logps): the upstream gradient comes from that
+    loss instead of from g.
+    """
     result = {}
 
     def step():
-        logps = fn(hidden, weight, labels)
-        grads = torch.autograd.grad((logps.float() * g).sum(), [hidden, weight])
+        logps = fn(hidden, weight, labels, None if pairs is None else pairs[0])
+        total = (logps.float() * g).sum() if pairs is None else pairs[1](logps.float())
+        grads = torch.autograd.grad(total, [hidden, weight])
         result.setdefault("logps", logps.detach().float())
         return grads
 
@@ -193,6 +211,29 @@ def truth_logps(hidden, weight, labels, budget_bytes=512 * 2**20) -> torch.Tenso
 # --------------------------------------------------------------------------- report
 
 
+def dpo_problem(n: int, pairs: int, gen: torch.Generator, device: torch.device):
+    """(SequenceLoss, loss(logps)): a sigmoid DPO loss over `pairs` pairs of equal sequences."""
+    from fusedalign.ops import SequenceLoss
+
+    seq = torch.arange(2 * pairs).repeat_interleave(n // (2 * pairs)).to(device)  # [N]
+    ref = (torch.randn(2 * pairs, generator=gen, dtype=torch.float64) * 10 - 3 * n / (2 * pairs)).to(device)
+
+    def loss_of_sums(sums):
+        margin = (sums[:pairs] - ref[:pairs]) - (sums[pairs:] - ref[pairs:])
+        return -torch.nn.functional.logsigmoid(0.1 * margin.float()).sum() / pairs
+
+    def loss(logps):
+        sums = torch.zeros(2 * pairs, dtype=torch.float64, device=device).index_add(0, seq, logps.double())
+        return loss_of_sums(sums.float())
+
+    def grad(sums):
+        sums = sums.detach().requires_grad_()
+        return torch.autograd.grad(loss_of_sums(sums), sums)[0]
+
+    pair = torch.arange(pairs, device=device)
+    return SequenceLoss(seq, torch.cat([pair, pair]), grad), loss
+
+
 def fmt_bytes(b) -> str:
     if b is None:
         return "n/a"
@@ -208,16 +249,19 @@ def run_one_h(args, h: int, device: torch.device) -> None:
     weight.requires_grad_()
     labels = torch.randint(0, args.v, (args.n,), generator=gen).to(device)
     g = torch.randn(args.n, generator=gen).to(device)
+    pairs = dpo_problem(args.n, args.pairs, gen, device) if args.pairs else None
     truth = truth_logps(hidden, weight, labels)
 
     gemm_ms = bench_gemm(hidden, weight, args.repeats, device)
     rows, notes = [], []
     rows.append(("one logits GEMM (fwd only)", gemm_ms, None, None))
     rows.append(("4 GEMMs (floor of a per-token op)", 4 * gemm_ms, None, None))
+    if pairs is not None:
+        rows.append(("3 GEMMs (floor of a loss-aware op)", 3 * gemm_ms, None, None))
     for name in args.backends:
         try:
             label, fn = method(name, device)
-            ms, peak, logps = bench_method(fn, hidden, weight, labels, g, args.repeats, device)
+            ms, peak, logps = bench_method(fn, hidden, weight, labels, g, args.repeats, device, pairs)
         except Exception as err:  # a peer not installed, no CUDA, out of memory...
             notes.append(f"- {name}: skipped ({type(err).__name__}: {str(err).splitlines()[0]})")
             fresh(device)
@@ -246,7 +290,8 @@ def device_name(device: torch.device) -> str:
 def main(argv=None) -> None:
     args = parse_args(argv)
     device = torch.device(args.device)
-    print(f"torch {torch.__version__}; upstream gradient: random per token; "
+    upstream = f"a DPO loss over {args.pairs} pairs" if args.pairs else "random per token"
+    print(f"torch {torch.__version__}; upstream gradient: {upstream}; "
           "error against a float64 truth on the same rounded inputs")
     for h in args.h:
         run_one_h(args, h, device)

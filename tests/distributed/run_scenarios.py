@@ -92,10 +92,16 @@ def run(spec: dict, out_root: str) -> None:
 
     out_dir = os.path.join(out_root, spec["name"])
     trainer = build_trainer(spec, out_dir)
+    from collections import Counter
+
     from torch._dynamo.utils import counters
 
+    from fusedalign.ops import loss_aware
+
     graphs_before = counters["stats"]["unique_graphs"]
+    head_before = Counter(loss_aware.CALLS)
     trainer.train()
+    head_calls = Counter(loss_aware.CALLS) - head_before
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     result = {
         "losses": losses,
@@ -108,6 +114,10 @@ def run(spec: dict, out_root: str) -> None:
         # Whether the layers were to be compiled, and the graphs dynamo compiled while training.
         "compile_layers": trainer.args.compile_layers,
         "compiled_graphs": counters["stats"]["unique_graphs"] - graphs_before,
+        # How the policy's head ran in training (ops/loss_aware.py): forms its gradient in
+        # the forward where the trainer declares its loss (DPO, fused, per-pair loss types).
+        "loss_aware_expected": bool(getattr(trainer, "_loss_aware", lambda mode: False)("train")),
+        "head_calls": {key: head_calls[key] for key in ("forward", "backward", "recomputed", "over_budget")},
     }
     if spec.get("evaluate"):
         metrics = trainer.evaluate()

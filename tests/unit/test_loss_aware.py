@@ -50,7 +50,8 @@ def loss_and_grads(p, *, scale=1.0, sequence_loss=None, loss=dpo_like, extra=Non
     """head_logprobs -> fp64 sequence sums -> scale * loss; values and gradients of every input."""
     wrt = [t for t in (p["hidden"], p["weight"], p["bias"]) if t is not None and t.requires_grad]
     out = head_logprobs(p["hidden"], p["weight"], p["labels"], p["bias"], sequence_loss=sequence_loss, **opts)
-    sums = torch.zeros(p["ref"].shape[0], dtype=torch.float64).index_add(0, p["segments"], out.logps.double())
+    sums = torch.zeros(p["ref"].shape[0], dtype=torch.float64, device=out.logps.device)
+    sums = sums.index_add(0, p["segments"], out.logps.double())
     total = scale * loss(sums.to(out.logps.dtype), p["ref"].to(out.logps.dtype))
     if extra is not None:
         total = total + extra(out.logps)
