@@ -5,6 +5,7 @@ docs/internals.md for the contract.
 """
 
 from fusedalign.ops.api import head_logprobs, reference_head_logprobs
+from fusedalign.ops.loss_aware import DeclaredLossMismatch
 from fusedalign.ops.options import HeadOptions, HeadOutput, LowRank, SequenceLoss
 from fusedalign.ops.registry import (
     Backend,
@@ -16,6 +17,7 @@ from fusedalign.ops.registry import (
 __all__ = [
     "Backend",
     "BackendUnavailableError",
+    "DeclaredLossMismatch",
     "HeadOptions",
     "HeadOutput",
     "LowRank",

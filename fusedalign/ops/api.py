@@ -75,10 +75,10 @@ def head_logprobs(
             sums coupled only within groups (`SequenceLoss`; segments [N]). With it, and
             gradients wanted, the backends that can ("torch", "triton") form the gradient
             in the forward, a block of whole groups at a time: three logits GEMMs instead
-            of four (`ops/loss_aware.py`). Backward checks the declaration against the real
-            upstream gradient and recomputes the ordinary way, with a warning, if it does
-            not match. Ignored without LoRA support (low_rank given), by "reference", or
-            when one group alone exceeds `block_budget_bytes`.
+            of four (`ops/loss_aware.py`). The declaration is checked against the real
+            upstream gradient when the backward pass ends, which raises
+            `DeclaredLossMismatch` if they differ. Not used with low_rank, by "reference",
+            without gradients, or when one group alone exceeds `block_budget_bytes`.
         block_budget_bytes: bytes for one block's logits in the loss-aware mode (default
             4 GiB on CUDA, 256 MiB elsewhere). Peak extra memory is that block plus fp32
             [N, H] and [V, H] gradients held from forward to backward.

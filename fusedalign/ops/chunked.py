@@ -241,13 +241,6 @@ class TorchBlocks:
         G = _chunk_gradient(y, t, lse, gs, labels.masked_fill(~valid, 0))
         return G.to(dtype), (G.sum(dim=0) if need_bias else None)
 
-    @staticmethod
-    def backward(g, hidden, weight, labels, bias, lse, opts: HeadOptions, *, need_h, need_w, need_b):
-        """The ordinary (recomputing) backward, for when the declared loss was not the real one."""
-        g_h, g_w, g_b, _, _ = _backward(g, hidden, weight, labels, bias, None, None, lse, opts, need_h=need_h,
-                                        need_w=need_w, need_b=need_b, need_down=False, need_up=False)
-        return g_h, g_w, g_b
-
 
 def chunked_head_logprobs(
     hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None,

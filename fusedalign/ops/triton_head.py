@@ -303,14 +303,6 @@ class TritonBlocks:
             )
         return x, (dbias.sum(dim=0) if need_bias else None)
 
-    @staticmethod
-    def backward(g, hidden, weight, labels, bias, lse2, opts: HeadOptions, *, need_h, need_w, need_b):
-        """The ordinary (recomputing) backward, for when the declared loss was not the real one."""
-        with _on(hidden):
-            g_h, g_w, g_b, _, _ = _backward(g, hidden, weight, labels, bias, None, None, lse2, opts,
-                                            need=(need_h, need_w, need_b, False, False))
-        return g_h, g_w, g_b
-
 
 def _block_fwd_config(n: int, v: int, cuda: bool) -> tuple[int, int, int]:
     """A block has few rows and all V columns: fewer rows per program keep the SMs busy."""

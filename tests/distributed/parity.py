@@ -76,9 +76,9 @@ def assert_same_training(got_out: Path, got: str, want_out: Path, want: str, *, 
     # A compiled scenario must really have compiled (and an eager one must not have).
     assert (got_res["compiled_graphs"] > 0) == got_res["compile_layers"], got_res
     # The loss-aware head ran in every training forward where the trainer declared its loss,
-    # and its declaration always matched (never recomputed, never over budget).
+    # and its declaration always matched (no mismatch, never over budget).
     calls = got_res["head_calls"]
-    assert calls["recomputed"] == 0 and calls["over_budget"] == 0, calls
+    assert calls["mismatch"] == 0 and calls["over_budget"] == 0, calls
     if got_res["loss_aware_expected"]:
         assert calls["forward"] >= len(got_res["losses"]) and calls["backward"] == calls["forward"], calls
     else:

@@ -117,7 +117,7 @@ def run(spec: dict, out_root: str) -> None:
         # How the policy's head ran in training (ops/loss_aware.py): forms its gradient in
         # the forward where the trainer declares its loss (DPO, fused, per-pair loss types).
         "loss_aware_expected": bool(getattr(trainer, "_loss_aware", lambda mode: False)("train")),
-        "head_calls": {key: head_calls[key] for key in ("forward", "backward", "recomputed", "over_budget")},
+        "head_calls": {key: head_calls[key] for key in ("forward", "backward", "mismatch", "over_budget")},
     }
     if spec.get("evaluate"):
         metrics = trainer.evaluate()

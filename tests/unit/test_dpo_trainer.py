@@ -49,7 +49,7 @@ def _train(tmp_path, dataset, calls: Counter | None = None, **overrides):
 def _assert_loss_aware_ran(calls: Counter, steps: int) -> None:
     """The policy's head formed its gradient in every step's forward and never had to recompute."""
     assert calls["forward"] == steps and calls["backward"] == steps, calls
-    assert calls["recomputed"] == 0 and calls["over_budget"] == 0, calls
+    assert calls["mismatch"] == 0 and calls["over_budget"] == 0, calls
 
 
 # label_smoothing must be > 0 for exo_pair; use it for every type that accepts it.

@@ -2,9 +2,9 @@
 
 The oracle is the ordinary op's result pushed through the same loss by autograd (and,
 through it, the unfused logits oracle of test_ops.py): the loss-aware op must give the
-same values and every gradient, whatever the caller scales the loss by; recompute (with a
-warning) when the loss is not the declared one; and keep its memory to a block of whole
-groups, never N x V.
+same values and every gradient, whatever the caller scales the loss by; raise at the end
+of the backward when the loss is not the declared one; and keep its memory to a block of
+whole groups, never N x V.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fusedalign.ops import LowRank, SequenceLoss, head_logprobs, loss_aware
+from fusedalign.ops import DeclaredLossMismatch, LowRank, SequenceLoss, head_logprobs, loss_aware
 from tests.unit.test_ops import NumelRecorder, fro_err, make_problem, rel_err
 
 
@@ -34,7 +34,7 @@ def declared(segments: torch.Tensor, ref: torch.Tensor, loss=dpo_like) -> Sequen
         sums = sums.detach().requires_grad_()
         return torch.autograd.grad(loss(sums, ref.to(sums.dtype)), sums)[0]
 
-    pair = torch.arange(half)
+    pair = torch.arange(half, device=segments.device)
     return SequenceLoss(segments, torch.cat([pair, pair]), grad)
 
 
@@ -107,27 +107,31 @@ def test_any_scale_of_the_declared_loss_is_fitted(scale):
             assert g.abs().max() == 0  # zero, yet connected
 
 
-def test_a_loss_other_than_the_declared_one_is_recomputed_exactly_with_a_warning():
+def test_a_loss_other_than_the_declared_one_raises_at_the_end_of_backward():
     p = pair_problem(seed=4)
     extra = lambda logps: 1e-2 * logps.square().sum()  # noqa: E731  a per-token term not in the declaration
-    _, _, want = loss_and_grads(p, extra=extra, backend="torch")
     before = Counter(loss_aware.CALLS)
-    with pytest.warns(RuntimeWarning, match="does not match the declared sequence loss"):
-        out, _, got = loss_and_grads(p, extra=extra, sequence_loss=declared(p["segments"], p["ref"]), backend="torch")
-    assert out.loss_aware
-    assert (Counter(loss_aware.CALLS) - before) == Counter(forward=1, recomputed=1)
-    for g, w in zip(got, want):
-        assert rel_err(g, w) <= 1e-12
+    with pytest.raises(DeclaredLossMismatch, match="not the gradient of its declared SequenceLoss"):
+        loss_and_grads(p, extra=extra, sequence_loss=declared(p["segments"], p["ref"]), backend="torch")
+    assert (Counter(loss_aware.CALLS) - before) == Counter(forward=1, backward=1, mismatch=1)
+    # Nothing is left pending: the next backward is checked on its own.
+    loss_and_grads(p, sequence_loss=declared(p["segments"], p["ref"]), backend="torch")
 
 
 def test_a_different_beta_is_caught_not_trained_on():
     p = pair_problem(seed=5)
     real = lambda sums, ref: dpo_like(sums, ref, beta=0.3)  # noqa: E731
-    _, _, want = loss_and_grads(p, loss=real, backend="torch")
-    with pytest.warns(RuntimeWarning):
-        _, _, got = loss_and_grads(p, loss=real, sequence_loss=declared(p["segments"], p["ref"]), backend="torch")
-    for g, w in zip(got, want):
-        assert rel_err(g, w) <= 1e-12
+    with pytest.raises(DeclaredLossMismatch):
+        loss_and_grads(p, loss=real, sequence_loss=declared(p["segments"], p["ref"]), backend="torch")
+
+
+def test_the_check_runs_before_backward_returns_and_before_grads_are_used():
+    # .backward() itself raises: a training loop never reaches its optimizer step.
+    p = pair_problem(seed=13)
+    out = head_logprobs(p["hidden"], p["weight"], p["labels"], p["bias"], backend="torch",
+                        sequence_loss=declared(p["segments"], p["ref"]))
+    with pytest.raises(DeclaredLossMismatch):
+        out.logps.square().sum().backward()
 
 
 def test_a_group_over_the_budget_runs_the_ordinary_op():
