@@ -39,10 +39,17 @@ from fusedalign.ops.registry import Backend, register_backend
 # Launch shapes (rows per program, columns per program/step, warps), measured on an H200
 # (docs/benchmarks.md): 256 columns per row keep each row's reductions inside one warp.
 # Module-level so a benchmark can sweep them; not part of the API.
+# `benchmarks/head_kernels.py` (H200, docs/benchmarks.md, session 3): the backward kernel
+# reaches 1.3 TB/s with 2 x 2048 tiles against 0.87-0.98 with 16 x 256, on a vocabulary chunk
+# and on a loss-aware block alike; the forward kernel keeps 16 x 256 on chunks, and takes
+# 1 x 2048 on a block, whose few thousand rows would otherwise leave SMs idle.
 FWD_CONFIG = (16, 256, 4)
-BWD_CONFIG = (16, 256, 4)
+BWD_CONFIG = (2, 2048, 8)
+# With a bias gradient the backward writes one fp32 partial column sum per row tile: taller
+# tiles keep that buffer small (n / 32 x columns instead of n / 2), at about the same speed.
+BWD_BIAS_CONFIG = (32, 256, 8)
 # The loss-aware mode folds a block of a few thousand rows over all V columns at once.
-BLOCK_FWD_CONFIG = (4, 512, 4)
+BLOCK_FWD_CONFIG = (1, 2048, 8)
 # Chunk widths are rounded down to a multiple of this (GEMM- and kernel-friendly).
 COL_ALIGN = 256
 
@@ -223,7 +230,7 @@ def _backward(g, hidden, weight, labels, bias, down, up, lse2, opts: HeadOptions
         cols = chunk_cols(n, v, opts)
         buf = torch.empty(n * cols, dtype=hidden.dtype, device=dev)
         lbuf = None if down is None else torch.empty(n * cols, dtype=down.dtype, device=dev)
-        br, bc, warps = _blocks(BWD_CONFIG, n, cols, hidden.is_cuda)
+        br, bc, warps = _blocks(BWD_BIAS_CONFIG if need_b else BWD_CONFIG, n, cols, hidden.is_cuda)
         row_blocks = triton.cdiv(n, br)
         dbias = torch.empty(row_blocks, cols, dtype=torch.float32, device=dev) if need_b else lab
         scalars = _scalars(opts)
@@ -292,7 +299,7 @@ class TritonBlocks:
         n, v = x.shape
         with _on(x):
             gs = torch.where(lab >= 0, coef.float(), 0.0) * (opts.logit_scale / opts.temperature)
-            br, bc, warps = _blocks(BWD_CONFIG, n, v, x.is_cuda)
+            br, bc, warps = _blocks(BWD_BIAS_CONFIG if need_bias else BWD_CONFIG, n, v, x.is_cuda)
             row_blocks = triton.cdiv(n, br)
             dbias = torch.empty(row_blocks, v, dtype=torch.float32, device=x.device) if need_bias else lab
             _kernels().bwd_chunk_kernel[(row_blocks, triton.cdiv(v, bc))](
