@@ -239,6 +239,17 @@ def test_bad_declarations_raise_clear_errors(change, error, match):
                       sequence_loss=change(declared(p["segments"], p["ref"])))
 
 
+def test_a_non_finite_upstream_gradient_propagates_and_is_not_a_mismatch():
+    # fp16 loss scaling overflows, a NaN loss: the gradients come back non-finite, as the
+    # ordinary op's would, for GradScaler (or the user) to see.
+    p = pair_problem(seed=14)
+    before = Counter(loss_aware.CALLS)
+    _, _, got = loss_and_grads(p, scale=float("inf"), sequence_loss=declared(p["segments"], p["ref"]),
+                               backend="torch")
+    assert (Counter(loss_aware.CALLS) - before)["mismatch"] == 0
+    assert all(not torch.isfinite(g).all() for g in got)
+
+
 def test_no_warning_when_the_declaration_holds():
     p = pair_problem(seed=12)
     with warnings.catch_warnings():
