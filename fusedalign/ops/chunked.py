@@ -137,6 +137,16 @@ def _chunk_forward(y: Tensor, safe: Tensor, valid: Tensor, opts: HeadOptions):
     return logps, lse, entropy, mean, match
 
 
+def _softmax_input(a: Tensor, opts: HeadOptions) -> tuple[Tensor, Tensor | None]:
+    """(y, t) from a chunk's scaled logits a [n, V], in place over a: y = z / T, and
+    t = tanh(a / softcap), kept for the gradient's chain rule (None without a softcap)."""
+    T, c = opts.temperature, opts.softcap
+    if c is not None:
+        t = a.div_(c).tanh_()  # z = c * t
+        return t * (c / T), t
+    return (a.div_(T) if T != 1.0 else a), None
+
+
 def _chunk_gradient(y: Tensor, t: Tensor | None, lse: Tensor, gs: Tensor, safe: Tensor) -> Tensor:
     """G = gs (onehot - softmax(y)) (1 - t^2), in place over y [n, V].
 
@@ -156,7 +166,7 @@ def _backward(g, hidden, weight, labels, bias, down, up, lse, opts: HeadOptions,
     """Gradients (hidden, weight, bias, down, up) of sum_i g_i logp_i; None where not needed."""
     n, dev = hidden.shape[0], hidden.device
     cdt = compute_dtype(hidden.dtype)
-    T, c = opts.temperature, opts.softcap
+    T = opts.temperature
     valid = labels != opts.ignore_index
     safe = labels.masked_fill(~valid, 0)
     # Ignored positions get exactly zero gradient, even if the upstream sent NaN there.
@@ -174,12 +184,7 @@ def _backward(g, hidden, weight, labels, bias, down, up, lse, opts: HeadOptions,
     for start in range(0, n, opts.chunk_rows):
         sl = slice(start, start + opts.chunk_rows)
         h_c, down_c = hidden[sl], None if down is None else down[sl]
-        a = _scaled_logits(h_c, weight, bias, down_c, up, opts, cdt)
-        if c is not None:
-            t = a.div_(c).tanh_()  # tanh(a / c); z = c * t
-            y = t * (c / T)
-        else:
-            t, y = None, (a.div_(T) if T != 1.0 else a)
+        y, t = _softmax_input(_scaled_logits(h_c, weight, bias, down_c, up, opts, cdt), opts)
         G = _chunk_gradient(y, t, lse[sl], gs[sl], safe[sl])
         del t
         # G = d(sum g logp) / d(h W^T + b + s down up^T) for this chunk, in cdt.
@@ -196,7 +201,7 @@ def _backward(g, hidden, weight, labels, bias, down, up, lse, opts: HeadOptions,
                 torch.mm(G_lr, up, out=g_down[sl]).mul_(opts.low_rank_scale)  # [n, V] @ [V, r]
             if need_up:
                 g_up.add_(wide_mm(G_lr.t(), down_c, cdt), alpha=opts.low_rank_scale)
-        del a, y, G, G_in
+        del y, G, G_in
 
     cast = lambda acc, like: None if acc is None else acc.to(like.dtype)  # noqa: E731
     return g_h, cast(g_w, weight), cast(g_b, bias), g_down, cast(g_up, up)
@@ -220,13 +225,7 @@ class TorchBlocks:
         """One GEMM for the block's rows, then its statistics; returns (state, logps, entropy,
         logit_mean, argmax_match, lse), the state kept for `gradient`."""
         cdt = compute_dtype(hidden.dtype)
-        T, c = opts.temperature, opts.softcap
-        a = _scaled_logits(hidden, weight, bias, None, None, opts, cdt)  # [R, V]
-        if c is not None:
-            t = a.div_(c).tanh_()  # tanh(a / c), kept for the chain rule; z = c * t
-            y = t * (c / T)
-        else:
-            t, y = None, (a.div_(T) if T != 1.0 else a)
+        y, t = _softmax_input(_scaled_logits(hidden, weight, bias, None, None, opts, cdt), opts)  # [R, V]
         valid = labels != opts.ignore_index
         logps, lse, entropy, mean, match = _chunk_forward(y, labels.masked_fill(~valid, 0), valid, opts)
         return (y, t, hidden.dtype), logps, entropy, mean, match, lse

@@ -71,15 +71,12 @@ class _Plan(NamedTuple):
     """Everything non-tensor the autograd function needs, in one argument."""
 
     blocks: list[Tensor]  # row indices of each block, [R_b] long
-    segments: Tensor  # [N] long
-    num_sequences: int
-    grad: Any  # SequenceLoss.grad
+    loss: SequenceLoss
     math: Any  # the backend's block math (e.g. chunked.TorchBlocks)
 
 
 def plan_blocks(
-    loss: SequenceLoss, n: int, v: int, bytes_per_logit: int, device: torch.device,
-    budget_bytes: int | None,
+    loss: SequenceLoss, v: int, bytes_per_logit: int, device: torch.device, budget_bytes: int | None,
 ) -> list[Tensor] | None:
     """Row indices of each block (whole groups, in group order), or None when a group
     alone exceeds the budget. One host sync, which also validates the ids."""
@@ -136,13 +133,12 @@ def loss_aware_head_logprobs(
 ) -> HeadOutput | None:
     """The loss-aware op on scored rows only (api.py drops the ignored ones), or None when
     a group does not fit the block budget (the caller then runs the ordinary path)."""
-    n, v = hidden.shape[0], weight.shape[0]
-    s = loss.groups.shape[0]
-    blocks = plan_blocks(loss, n, v, math.bytes_per_logit(hidden.dtype, opts), hidden.device, budget_bytes)
+    v = weight.shape[0]
+    blocks = plan_blocks(loss, v, math.bytes_per_logit(hidden.dtype, opts), hidden.device, budget_bytes)
     if blocks is None:
         CALLS["over_budget"] += 1
         return None
-    plan = _Plan(blocks, loss.segments, s, loss.grad, math)
+    plan = _Plan(blocks, loss, math)
     logps, entropy, mean, match = _LossAwareHead.apply(hidden, weight, labels, bias, plan, opts)
     CALLS["forward"] += 1
     return HeadOutput(logps, entropy, mean, match, backend=name, loss_aware=True)
@@ -187,10 +183,10 @@ def _forward(hidden, weight, labels, bias, plan: _Plan, opts: HeadOptions, need)
     g_h = torch.zeros(hidden.shape, dtype=cdt, device=dev) if need_h else None
     g_w = torch.zeros(weight.shape, dtype=cdt, device=dev) if need_w else None
     g_b = torch.zeros(bias.shape, dtype=cdt, device=dev) if need_b else None
-    sums = torch.zeros(plan.num_sequences, dtype=torch.float64, device=dev)
+    sums = torch.zeros(plan.loss.groups.shape[0], dtype=torch.float64, device=dev)
 
     for rows in plan.blocks:
-        h_b, lab_b, seg_b = hidden.index_select(0, rows), labels.index_select(0, rows), plan.segments.index_select(0, rows)
+        h_b, lab_b, seg_b = hidden.index_select(0, rows), labels.index_select(0, rows), plan.loss.segments.index_select(0, rows)
         state, lp, ent, mu, am, lse_b = plan.math.forward(h_b, weight, lab_b, bias, opts)
         for dst, val in ((logps, lp), (entropy, ent), (mean, mu), (match, am)):
             if dst is not None:
@@ -199,7 +195,7 @@ def _forward(hidden, weight, labels, bias, plan: _Plan, opts: HeadOptions, need)
         # the same log-probs (also fp64, see DPOTrainer) rounds to the same value.
         sums.index_add_(0, seg_b, lp.double())
         with torch.enable_grad():
-            dl_ds = plan.grad(sums.to(cdt))
+            dl_ds = plan.loss.grad(sums.to(cdt))
         coef_b = dl_ds.detach().to(cdt).index_select(0, seg_b)  # [R]
         coef.index_copy_(0, rows, coef_b)
         G, db = plan.math.gradient(state, lab_b, lse_b, coef_b, opts, need_b)  # [R, V], input dtype

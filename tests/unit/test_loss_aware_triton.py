@@ -8,23 +8,26 @@ Skipped when Triton is not installed; the CUDA cases without a GPU.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
 
 from fusedalign.ops import DeclaredLossMismatch, head_logprobs, loss_aware
-from tests.unit.test_loss_aware import OPTIONS, declared, dpo_like, loss_and_grads, pair_problem
-from tests.unit.test_ops import fro_err, rel_err
+from tests.unit.test_loss_aware import (
+    OPTIONS,
+    assert_bf16_no_worse,
+    declared,
+    dpo_like,
+    loss_and_grads,
+    pair_problem,
+)
+from tests.unit.test_ops import rel_err
 
 pytest.importorskip("triton")
+from tests.unit.test_ops_triton import run_under_interpreter  # noqa: E402  (needs triton)
 
 CUDA = torch.cuda.is_available()
-REPO = Path(__file__).resolve().parents[2]
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 
 
@@ -77,9 +80,7 @@ def test_cuda_bf16_error_no_worse_than_the_ordinary_bf16_op(seed):
     _, _, ordinary = loss_and_grads(p, backend="triton")
     out, _, got = loss_and_grads(p, sequence_loss=declared(p["segments"], p["ref"]), backend="triton")
     assert out.loss_aware
-    for g, o, t in zip(got, ordinary, exact):
-        assert g.dtype == torch.bfloat16
-        assert fro_err(g.cpu(), t) <= fro_err(o.cpu(), t) + 1e-3
+    assert_bf16_no_worse(got, ordinary, exact)
 
 
 @needs_cuda
@@ -130,12 +131,8 @@ def test_cuda_peak_memory_is_one_block_plus_fp32_gradients():
 @pytest.mark.skipif(CUDA, reason="CUDA present: the kernels are tested compiled, above")
 def test_interpreter_blocks_match_the_torch_backend():
     """The Triton block math under TRITON_INTERPRET=1 on CPU tensors, in a fresh process."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
-    code = "from tests.unit.test_loss_aware_triton import interpreter_checks; interpreter_checks()"
-    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "loss-aware interpreter checks passed" in done.stdout
+    run_under_interpreter("tests.unit.test_loss_aware_triton", "interpreter_checks",
+                          "loss-aware interpreter checks passed")
 
 
 def interpreter_checks():
@@ -175,7 +172,5 @@ def interpreter_checks():
     _, got = run(p, budget=None, softcap=6.0, temperature=0.9)
     _, _, exact = loss_and_grads(truth, scale=0.3, backend="torch", softcap=6.0, temperature=0.9)
     _, _, ordinary = loss_and_grads(p, scale=0.3, backend="torch", softcap=6.0, temperature=0.9)
-    for g, o, t in zip(got, ordinary, exact):
-        assert g.dtype == torch.bfloat16
-        assert fro_err(g, t) <= fro_err(o, t) + 1e-3
+    assert_bf16_no_worse(got, ordinary, exact)
     print("loss-aware interpreter checks passed")

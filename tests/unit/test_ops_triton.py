@@ -335,12 +335,17 @@ def test_interpreter_kernels_match_oracle():
     The variable must be set before `triton` itself is imported (its standard library
     is decorated at import), so this cannot run in the pytest process.
     """
+    run_under_interpreter("tests.unit.test_ops_triton", "interpreter_checks", "interpreter checks passed")
+
+
+def run_under_interpreter(module: str, function: str, marker: str) -> None:
+    """Calls module.function() in a fresh process with TRITON_INTERPRET=1; it must print `marker`."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
-    code = "from tests.unit.test_ops_triton import interpreter_checks; interpreter_checks()"
+    code = f"from {module} import {function}; {function}()"
     done = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "interpreter checks passed" in done.stdout
+    assert marker in done.stdout
 
 
 def patch_interpreter():
