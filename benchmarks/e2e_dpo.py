@@ -152,6 +152,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--search_max", type=int, default=None, help="default 32768 (--tiny: 256)")
     p.add_argument("--profile", action="store_true",
                    help="profile one extra step after the timed ones (not timed) and print its top CUDA kernels")
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="with --profile: also write the profiled step's Chrome trace to "
+                        "DIR/trace-CONFIG-LENGTH.json.gz (read it with benchmarks/trace_gaps.py)")
     p.add_argument("--gpu", type=int, default=0, help="which visible GPU the runs use (one at a time)")
     p.add_argument("--worker_timeout", type=int, default=1200, help="seconds per subprocess")
     p.add_argument("--log_dir", default=None, help="worker logs (default: a temporary folder, kept)")
@@ -184,6 +187,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                 f"{args.per_device_train_batch_size}")
     if args.warmup_steps < 1 or args.timed_steps < 1:
         p.error("need --warmup_steps >= 1 (the first step holds start-up costs) and --timed_steps >= 1")
+    if args.trace and not args.profile:
+        p.error("--trace needs --profile (it writes the profiled step's trace)")
     if args.max_length_search or args.memory_fit:
         args.gradient_checkpointing = True
     for length in args.lengths:
@@ -203,6 +208,8 @@ def worker_argv(args: argparse.Namespace, config: str, length: int, result: str,
             "--seed", str(args.seed), "--model_dir", args.model_dir]
     if args.fake_oom_above is not None:
         argv += ["--fake_oom_above", str(args.fake_oom_above)]
+    if args.trace:
+        argv += ["--trace", os.path.abspath(args.trace)]
     for flag in ("tiny", "gradient_checkpointing", "precompute_ref_log_probs", "profile"):
         if getattr(args, flag):
             argv.append("--" + flag)
@@ -323,8 +330,9 @@ def synthetic_rows(args: argparse.Namespace, length: int, vocab: int) -> dict[st
     return {"prompt_ids": prompt.tolist(), "chosen_ids": chosen.tolist(), "rejected_ids": rejected.tolist()}
 
 
-def make_callback(sync, profile_step: int | None = None):
-    """Times every step; with `profile_step`, profiles that step (0-based) with torch.profiler."""
+def make_callback(sync, profile_step: int | None = None, trace: str | None = None):
+    """Times every step; with `profile_step`, profiles that step (0-based) with torch.profiler
+    (and with `trace`, a path ending in .json.gz, writes its Chrome trace there)."""
     from transformers import TrainerCallback
 
     class StepTimer(TrainerCallback):
@@ -350,6 +358,9 @@ def make_callback(sync, profile_step: int | None = None):
             if self.profiler is not None:
                 self.profiler.stop()
                 self.profile = summarise_profile(self.profiler, self.end[-1] - self.begin[-1])
+                if trace:
+                    write_trace(self.profiler, trace)
+                    self.profile["trace"] = trace
                 self.profiler = None
 
         def on_log(self, args, state, control, logs=None, **kwargs):
@@ -368,6 +379,17 @@ def summarise_profile(prof, step_s: float) -> dict:
     busy = sum(ms for _, ms, _ in kernels)
     return {"step_ms": step_s * 1e3, "gpu_busy_ms": busy,
             "top": [{"kernel": k[:110], "ms": round(ms, 3), "calls": c} for k, ms, c in kernels[:40]]}
+
+
+def write_trace(prof, path: str) -> None:
+    import gzip
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    raw = path[: -len(".gz")]
+    prof.export_chrome_trace(raw)
+    with open(raw, "rb") as src, gzip.open(path, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    os.remove(raw)
 
 
 def common_training_args(args: argparse.Namespace, length: int, output_dir: str) -> dict:
@@ -476,7 +498,8 @@ def run_worker(args: argparse.Namespace) -> int:
         tokenizer = load_tokenizer("builtin:tiny-qwen2")
         vocab = model_config(args).vocab_size
         rows = synthetic_rows(args, length, vocab)
-        callback = make_callback(sync, args.warmup_steps + args.timed_steps if args.profile else None)
+        trace = os.path.join(args.trace, f"trace-{config}-{length}.json.gz") if args.trace else None
+        callback = make_callback(sync, args.warmup_steps + args.timed_steps if args.profile else None, trace)
         output_dir = os.path.join(os.path.dirname(os.path.abspath(args.result)), f"out-{config}-{length}")
         build = build_ours if config.startswith("ours") else build_trl
         with timer("init"):
