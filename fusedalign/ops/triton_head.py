@@ -42,14 +42,15 @@ from fusedalign.ops.registry import Backend, register_backend
 # `benchmarks/head_kernels.py` (H200, docs/benchmarks.md, session 3): the backward kernel
 # reaches 1.3 TB/s with 2 x 2048 tiles against 0.87-0.98 with 16 x 256, on a vocabulary chunk
 # and on a loss-aware block alike; the forward kernel keeps 16 x 256 on chunks, and takes
-# 1 x 2048 on a block, whose few thousand rows would otherwise leave SMs idle.
+# 1 x 4096 on a block (0.50 ms against 0.62 for 1 x 2048 and 1.8 for 16 x 256 on one
+# [3584, 151936] block), whose few thousand rows would otherwise leave SMs idle.
 FWD_CONFIG = (16, 256, 4)
 BWD_CONFIG = (2, 2048, 8)
 # With a bias gradient the backward writes one fp32 partial column sum per row tile: taller
 # tiles keep that buffer small (n / 32 x columns instead of n / 2), at about the same speed.
 BWD_BIAS_CONFIG = (32, 256, 8)
 # The loss-aware mode folds a block of a few thousand rows over all V columns at once.
-BLOCK_FWD_CONFIG = (1, 2048, 8)
+BLOCK_FWD_CONFIG = (1, 4096, 8)
 # Chunk widths are rounded down to a multiple of this (GEMM- and kernel-friendly).
 COL_ALIGN = 256
 

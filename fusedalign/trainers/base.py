@@ -2,7 +2,8 @@
 
 A subclass implements two things:
   - `count_items(inputs)`: how many loss units (pairs, examples, tokens) a micro-batch
-    holds, computed from the batch alone before any forward;
+    holds, computed from the batch alone before any forward, as a 0-dim tensor on the
+    batch's device (so that counting never waits for the GPU);
   - `loss_and_metrics(model, inputs, mode)`: the SUM of the per-unit losses of the
     micro-batch and a dict of metric sums and counts.
 The base turns the sum into a loss normalised by the global number of units in the
@@ -57,16 +58,19 @@ class FusedAlignTrainer(Trainer):
         # compute_loss already divides by the global count of the whole optimizer step;
         # Trainer must not divide by the accumulation steps again.
         self.loss_is_scaled_for_ga = True
-        self._metric_sums: dict[str, dict[str, list[float]]] = {
+        self._metric_totals: dict[str, dict[str, list[float]]] = {
             "train": defaultdict(lambda: [0.0, 0.0]),
             "eval": defaultdict(lambda: [0.0, 0.0]),
         }
+        # Sums not yet read back to the host, per mode: names -> [2K] float64 on the device
+        # (added to each micro-batch without a host sync; read when the metrics are).
+        self._metric_pending: dict[str, dict[tuple[str, ...], torch.Tensor]] = {"train": {}, "eval": {}}
         self._steps_since_log = 0  # optimizer steps in the current training logging window
         self.add_callback(MetricsJSONLCallback())
 
     # ---------------------------------------------------------------- subclass API
 
-    def count_items(self, inputs: dict[str, Any]) -> int:
+    def count_items(self, inputs: dict[str, Any]) -> torch.Tensor:
         raise NotImplementedError
 
     def loss_and_metrics(self, model: nn.Module, inputs: dict[str, Any], mode: str) -> tuple[torch.Tensor, Metrics]:
@@ -90,8 +94,9 @@ class FusedAlignTrainer(Trainer):
             except StopIteration:
                 break
         self._steps_since_log += 1
-        local = sum(self.count_items(batch) for batch in batch_samples)
-        total = self.accelerator.reduce(torch.tensor(float(local), device=device), reduction="sum")
+        counts = [torch.as_tensor(self.count_items(batch), device=device).float() for batch in batch_samples]
+        local = torch.stack(counts).sum() if counts else torch.zeros((), device=device)
+        total = self.accelerator.reduce(local, reduction="sum")
         return batch_samples, total
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -99,7 +104,7 @@ class FusedAlignTrainer(Trainer):
         loss_sum, metrics = self.loss_and_metrics(model, inputs, mode)
         if num_items_in_batch is None:
             # Evaluation (or a caller outside the training loop): a local mean.
-            loss = loss_sum / max(self.count_items(inputs), 1)
+            loss = loss_sum / torch.as_tensor(self.count_items(inputs), device=loss_sum.device).clamp(min=1)
         else:
             # Backends average gradients over ranks, so multiply by the world size to get
             # sum(all units) / count(all units) in the end.
@@ -116,28 +121,39 @@ class FusedAlignTrainer(Trainer):
     # ---------------------------------------------------------------- metrics
 
     def _record(self, mode: str, metrics: Metrics) -> None:
-        """Adds this micro-batch's metric sums and counts, over all ranks.
+        """Adds this micro-batch's metric sums and counts, over all ranks, on the device.
 
         Values are scalars, or per-example tensors `[B]`. In evaluation, per-example
         values are gathered with `gather_for_metrics`, which drops the rows accelerate
         repeats to even out the last batch across ranks; scalars are summed over ranks.
+        Nothing here waits for the GPU: the sums are read back when `_metric_sums` is
+        (at logging), so the host keeps queueing the backward pass meanwhile.
         """
         if not metrics:
             return
-        names = sorted(metrics)
+        names = tuple(sorted(metrics))
         device = self.accelerator.device
         values = [torch.as_tensor(v, dtype=torch.float64, device=device).detach() for n in names for v in metrics[n]]
         rows = {v.shape[0] for v in values if v.dim() == 1}
         if mode == "eval" and len(rows) == 1 and all(v.dim() == 1 for v in values):
-            per_example = self.accelerator.gather_for_metrics(torch.stack(values, dim=-1))  # [rows, 2K]
-            flat = per_example.sum(0).tolist()
+            flat = self.accelerator.gather_for_metrics(torch.stack(values, dim=-1)).sum(0)  # [rows, 2K] -> [2K]
         else:
-            flat = torch.stack([v.sum() for v in values])
-            flat = self.accelerator.reduce(flat, reduction="sum").tolist()
-        for i, name in enumerate(names):
-            acc = self._metric_sums[mode][name]
-            acc[0] += flat[2 * i]
-            acc[1] += flat[2 * i + 1]
+            flat = self.accelerator.reduce(torch.stack([v.sum() for v in values]), reduction="sum")
+        pending = self._metric_pending[mode]
+        pending[names] = pending[names] + flat if names in pending else flat
+
+    @property
+    def _metric_sums(self) -> dict[str, dict[str, list[float]]]:
+        """Per mode, name -> [sum, count] as floats, everything recorded so far read back."""
+        for mode, pending in self._metric_pending.items():
+            for names, flat in pending.items():
+                values = flat.tolist()
+                for i, name in enumerate(names):
+                    acc = self._metric_totals[mode][name]
+                    acc[0] += values[2 * i]
+                    acc[1] += values[2 * i + 1]
+            pending.clear()
+        return self._metric_totals
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "train" if self.model.training else "eval"

@@ -71,9 +71,9 @@ class DPOTrainer(PrecomputedReferenceMixin, FusedAlignTrainer):
     def _labels(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         return position_labels(inputs["input_ids"], inputs["completion_mask"])  # [2B, T]
 
-    def count_items(self, inputs: dict[str, Any]) -> int:
+    def count_items(self, inputs: dict[str, Any]) -> torch.Tensor:
         """Pairs whose chosen and rejected both keep at least one completion token."""
-        return int(self._valid_pairs(self._labels(inputs)).sum())
+        return self._valid_pairs(self._labels(inputs)).sum()
 
     @staticmethod
     def _valid_pairs(labels: torch.Tensor) -> torch.Tensor:

@@ -228,9 +228,9 @@ class KTOTrainer(PrecomputedReferenceMixin, FusedAlignTrainer):
     def _labels(inputs: dict[str, torch.Tensor], prefix: str = "") -> torch.Tensor:
         return position_labels(inputs[prefix + "input_ids"], inputs[prefix + "completion_mask"])  # [B, T]
 
-    def count_items(self, inputs: dict[str, Any]) -> int:
+    def count_items(self, inputs: dict[str, Any]) -> torch.Tensor:
         """Examples with at least one completion token."""
-        return int((self._labels(inputs) != IGNORE_INDEX).any(-1).sum())
+        return (self._labels(inputs) != IGNORE_INDEX).any(-1).sum()
 
     # ------------------------------------------------------------------ reference and z0
 

@@ -159,9 +159,9 @@ class SFTTrainer(FusedAlignTrainer):
             return {"input_ids": inputs["input_ids"], "position_ids": inputs["position_ids"]}
         return {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]}
 
-    def count_items(self, inputs: dict[str, Any]) -> int:
+    def count_items(self, inputs: dict[str, Any]) -> torch.Tensor:
         """Label tokens of the micro-batch."""
-        return int((self.labels(inputs) != IGNORE_INDEX).sum())
+        return (self.labels(inputs) != IGNORE_INDEX).sum()
 
     # ------------------------------------------------------------------ loss
 

@@ -131,3 +131,30 @@ def test_a_batch_with_no_completion_tokens_gives_zero_loss_and_a_connected_graph
     loss.backward()  # connected: backward runs and every gradient is zero
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     assert grads and all(g.abs().sum() == 0 for g in grads)
+
+
+def test_metrics_and_item_counts_wait_for_nothing_on_the_host(tmp_path, zen, monkeypatch):
+    """Recording a micro-batch's metrics and counting a step's pairs read nothing back from
+    the device (on a GPU, a read-back there would stall the host before the backward); the
+    sums read back at logging are exactly those recorded."""
+    trainer = DPOTrainer(model=load_model(MODEL), args=_args(tmp_path), train_dataset=zen)
+    batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    with torch.no_grad():
+        _, metrics = trainer.loss_and_metrics(trainer.model, batch, "train")
+    expected_pairs = float(trainer._valid_pairs(trainer._labels(batch)).sum())
+
+    def read_back(*_a, **_k):
+        raise AssertionError("a tensor was read back to the host")
+
+    with monkeypatch.context() as m:
+        for name in ("tolist", "item", "__int__", "__float__", "__bool__", "cpu", "numpy"):
+            m.setattr(torch.Tensor, name, read_back)
+        trainer._record("train", metrics)
+        trainer._record("train", metrics)
+        _, total = trainer.get_batch_samples(iter([batch, batch, batch]), 3, batch["input_ids"].device)
+    assert float(total) == 3 * expected_pairs
+    sums = trainer._metric_sums["train"]
+    assert set(sums) == set(metrics)
+    for name, (value, count) in metrics.items():
+        assert sums[name][0] == pytest.approx(2 * float(value.double().sum()), rel=1e-12, abs=1e-12), name
+        assert sums[name][1] == pytest.approx(2 * float(count.double().sum()), rel=1e-12, abs=1e-12), name
