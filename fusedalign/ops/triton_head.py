@@ -45,15 +45,12 @@ from fusedalign.ops.registry import Backend, register_backend
 # 1 x 4096 on a block (0.50 ms against 0.62 for 1 x 2048 and 1.8 for 16 x 256 on one
 # [3584, 151936] block), whose few thousand rows would otherwise leave SMs idle.
 FWD_CONFIG = (16, 256, 4)
-# Backward shapes carry a fourth number: column tiles each program walks through in a loop.
-BWD_CONFIG = (2, 2048, 8, 1)
+BWD_CONFIG = (2, 2048, 8)
 # With a bias gradient the backward writes one fp32 partial column sum per row tile: taller
 # tiles keep that buffer small (n / 32 x columns instead of n / 2), at about the same speed.
-BWD_BIAS_CONFIG = (32, 256, 8, 1)
-# The loss-aware mode folds a block of a few thousand rows over all V columns at once, and
-# overwrites it with its gradient (BLOCK_BWD_CONFIG; with a bias gradient, BWD_BIAS_CONFIG).
+BWD_BIAS_CONFIG = (32, 256, 8)
+# The loss-aware mode folds a block of a few thousand rows over all V columns at once.
 BLOCK_FWD_CONFIG = (1, 4096, 8)
-BLOCK_BWD_CONFIG = (2, 2048, 8, 1)
 # Chunk widths are rounded down to a multiple of this (GEMM- and kernel-friendly).
 COL_ALIGN = 256
 
@@ -114,13 +111,12 @@ class _Nothing:
         return False
 
 
-def _blocks(config: tuple[int, ...], n: int, cols: int, cuda: bool) -> tuple[int, ...]:
-    """Launch shape; under the CPU interpreter, shrunk to the (tiny) test problem (a
-    backward shape keeps its column steps, so that the interpreter runs the loop too)."""
+def _blocks(config: tuple[int, int, int], n: int, cols: int, cuda: bool) -> tuple[int, int, int]:
+    """Launch shape; under the CPU interpreter, shrunk to the (tiny) test problem."""
     if cuda:
         return config
     # The interpreter pays per program and per op, not per element: few, large programs.
-    return (min(64, triton.next_power_of_2(n)), min(1024, triton.next_power_of_2(cols)), *config[2:])
+    return min(64, triton.next_power_of_2(n)), min(1024, triton.next_power_of_2(cols)), config[2]
 
 
 _LOG2E = 1.0 / math.log(2.0)
@@ -235,20 +231,20 @@ def _backward(g, hidden, weight, labels, bias, down, up, lse2, opts: HeadOptions
         cols = chunk_cols(n, v, opts)
         buf = torch.empty(n * cols, dtype=hidden.dtype, device=dev)
         lbuf = None if down is None else torch.empty(n * cols, dtype=down.dtype, device=dev)
-        br, bc, warps, steps = _blocks(BWD_BIAS_CONFIG if need_b else BWD_CONFIG, n, cols, hidden.is_cuda)
+        br, bc, warps = _blocks(BWD_BIAS_CONFIG if need_b else BWD_CONFIG, n, cols, hidden.is_cuda)
         row_blocks = triton.cdiv(n, br)
         dbias = torch.empty(row_blocks, cols, dtype=torch.float32, device=dev) if need_b else lab
         scalars = _scalars(opts)
         for c0 in range(0, v, cols):
             cl = min(cols, v - c0)
             x, lx = _chunk_logits(buf, lbuf, hidden, weight, down, up, c0, cl)
-            kernel[(row_blocks, triton.cdiv(cl, bc * steps))](
+            kernel[(row_blocks, triton.cdiv(cl, bc))](
                 x, cl, lx, cl, x if bias is None else bias, lab, lse2, gs, dbias, cols,
                 n, c0, cl, *scalars,
                 HAS_BIAS=bias is not None, HAS_LORA=down is not None,
                 HAS_SOFTCAP=opts.softcap is not None, BIAS_GRAD=need_b,
                 LORA_GRAD=need_down or need_up, ACCURATE_TANH=hidden.is_cuda,
-                BLOCK_R=br, BLOCK_C=bc, COL_STEPS=steps, num_warps=warps,
+                BLOCK_R=br, BLOCK_C=bc, num_warps=warps,
             )
             # x now holds G [N, C] (input dtype); lx holds G in the adapter's dtype.
             w_c = weight[c0:c0 + cl]
@@ -304,14 +300,14 @@ class TritonBlocks:
         n, v = x.shape
         with _on(x):
             gs = torch.where(lab >= 0, coef.float(), 0.0) * (opts.logit_scale / opts.temperature)
-            br, bc, warps, steps = _blocks(BWD_BIAS_CONFIG if need_bias else BLOCK_BWD_CONFIG, n, v, x.is_cuda)
+            br, bc, warps = _blocks(BWD_BIAS_CONFIG if need_bias else BWD_CONFIG, n, v, x.is_cuda)
             row_blocks = triton.cdiv(n, br)
             dbias = torch.empty(row_blocks, v, dtype=torch.float32, device=x.device) if need_bias else lab
-            _kernels().bwd_chunk_kernel[(row_blocks, triton.cdiv(v, bc * steps))](
+            _kernels().bwd_chunk_kernel[(row_blocks, triton.cdiv(v, bc))](
                 x, v, x, v, x if bias is None else bias, lab, lse2, gs, dbias, v,
                 n, 0, v, *_scalars(opts),
                 HAS_BIAS=bias is not None, HAS_LORA=False, HAS_SOFTCAP=opts.softcap is not None, BIAS_GRAD=need_bias,
-                LORA_GRAD=False, ACCURATE_TANH=x.is_cuda, BLOCK_R=br, BLOCK_C=bc, COL_STEPS=steps, num_warps=warps,
+                LORA_GRAD=False, ACCURATE_TANH=x.is_cuda, BLOCK_R=br, BLOCK_C=bc, num_warps=warps,
             )
         return x, (dbias.sum(dim=0) if need_bias else None)
 

@@ -185,49 +185,47 @@ def bwd_chunk_kernel(
     logit_scale, lora_scale, softcap, k_u2, k_z2,
     HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     BIAS_GRAD: tl.constexpr, LORA_GRAD: tl.constexpr,
-    ACCURATE_TANH: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, COL_STEPS: tl.constexpr,
+    ACCURATE_TANH: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """Overwrite COL_STEPS consecutive [BLOCK_R, BLOCK_C] tiles of the raw logits with the gradient G.
+    """Overwrite a [BLOCK_R, BLOCK_C] tile of the raw logits with the gradient G.
 
     G = gs * (onehot - 2^(y2 - lse2)) * (1 - tanh^2), gs = g * logit_scale / T (0 where
     ignored), lse2 = the forward's log2-sum-exp2 of y2, is d(sum_i g_i logp_i) / d(raw
     logits). It is stored in the logits buffer's dtype (for the base GEMMs), in the LoRA
     buffer's dtype when LORA_GRAD, and its column sums over the tile's rows go to
-    dbias[pid_r, :] (fp32) when BIAS_GRAD. Program (pid_r, pid_c) covers columns
-    [pid_c * COL_STEPS * BLOCK_C, (pid_c + 1) * COL_STEPS * BLOCK_C).
+    dbias[pid_r, :] (fp32) when BIAS_GRAD.
     """
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     rmask = rows < n_rows
+    cmask = cols < c_len
+    mask = rmask[:, None] & cmask[None, :]
     rows64 = rows.to(tl.int64)
     labels = tl.load(labels_ptr + rows, mask=rmask, other=-1)
     lse2 = tl.load(lse2_ptr + rows, mask=rmask, other=0.0)
     gs = tl.load(gs_ptr + rows, mask=rmask, other=0.0)
 
-    for step in range(COL_STEPS):
-        cols = (pid_c * COL_STEPS + step) * BLOCK_C + tl.arange(0, BLOCK_C)
-        cmask = cols < c_len
-        mask = rmask[:, None] & cmask[None, :]
-        offs = rows64[:, None] * stride_l + cols[None, :]
-        lr_offs = rows64[:, None] * stride_lr + cols[None, :]
-        x = tl.load(logits_ptr + offs, mask=mask, other=0.0)
-        b = 0.0
-        if HAS_BIAS:
-            b = tl.load(bias_ptr + c0 + cols, mask=cmask, other=0.0)[None, :]
-        lr = 0.0
-        if HAS_LORA:
-            lr = tl.load(lora_ptr + lr_offs, mask=mask, other=0.0)
-        u = _raw_u(x, lr, b, lora_scale, HAS_BIAS, HAS_LORA)
-        y2, t = _log2_logits(u, logit_scale, softcap, k_u2, k_z2, HAS_SOFTCAP, ACCURATE_TANH)
-        p = tl.exp2(y2 - lse2[:, None])
-        onehot = (c0 + cols)[None, :] == labels[:, None]
-        grad = gs[:, None] * (tl.where(onehot, 1.0, 0.0) - p)
-        if HAS_SOFTCAP:
-            grad = grad * (1.0 - t * t)
-        tl.store(logits_ptr + offs, grad.to(logits_ptr.dtype.element_ty), mask=mask)
-        if LORA_GRAD:
-            tl.store(lora_ptr + lr_offs, grad.to(lora_ptr.dtype.element_ty), mask=mask)
-        if BIAS_GRAD:
-            col_sum = tl.sum(tl.where(mask, grad, 0.0), axis=0)
-            tl.store(dbias_ptr + pid_r * stride_db + cols, col_sum, mask=cmask)
+    offs = rows64[:, None] * stride_l + cols[None, :]
+    lr_offs = rows64[:, None] * stride_lr + cols[None, :]
+    x = tl.load(logits_ptr + offs, mask=mask, other=0.0)
+    b = 0.0
+    if HAS_BIAS:
+        b = tl.load(bias_ptr + c0 + cols, mask=cmask, other=0.0)[None, :]
+    lr = 0.0
+    if HAS_LORA:
+        lr = tl.load(lora_ptr + lr_offs, mask=mask, other=0.0)
+    u = _raw_u(x, lr, b, lora_scale, HAS_BIAS, HAS_LORA)
+    y2, t = _log2_logits(u, logit_scale, softcap, k_u2, k_z2, HAS_SOFTCAP, ACCURATE_TANH)
+    p = tl.exp2(y2 - lse2[:, None])
+    onehot = (c0 + cols)[None, :] == labels[:, None]
+    grad = gs[:, None] * (tl.where(onehot, 1.0, 0.0) - p)
+    if HAS_SOFTCAP:
+        grad = grad * (1.0 - t * t)
+    tl.store(logits_ptr + offs, grad.to(logits_ptr.dtype.element_ty), mask=mask)
+    if LORA_GRAD:
+        tl.store(lora_ptr + lr_offs, grad.to(lora_ptr.dtype.element_ty), mask=mask)
+    if BIAS_GRAD:
+        col_sum = tl.sum(tl.where(mask, grad, 0.0), axis=0)
+        tl.store(dbias_ptr + pid_r * stride_db + cols, col_sum, mask=cmask)
