@@ -152,6 +152,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--search_max", type=int, default=None, help="default 32768 (--tiny: 256)")
     p.add_argument("--profile", action="store_true",
                    help="profile one extra step after the timed ones (not timed) and print its top CUDA kernels")
+    p.add_argument("--memory_snapshot", action="store_true",
+                   help="record the allocator's history over one extra step (after --profile's, not timed) and "
+                        "print what is alive at its memory peak, by allocation site (benchmarks/memory_peak.py)")
     p.add_argument("--trace", default=None, metavar="DIR",
                    help="with --profile: also write the profiled step's Chrome trace to "
                         "DIR/trace-CONFIG-LENGTH.json.gz (read it with benchmarks/trace_gaps.py)")
@@ -187,6 +190,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                 f"{args.per_device_train_batch_size}")
     if args.warmup_steps < 1 or args.timed_steps < 1:
         p.error("need --warmup_steps >= 1 (the first step holds start-up costs) and --timed_steps >= 1")
+    if args.memory_snapshot and args.device != "cuda":
+        p.error("--memory_snapshot records the CUDA allocator: it needs --device cuda")
     if args.trace and not args.profile:
         p.error("--trace needs --profile (it writes the profiled step's trace)")
     if args.max_length_search or args.memory_fit:
@@ -210,7 +215,7 @@ def worker_argv(args: argparse.Namespace, config: str, length: int, result: str,
         argv += ["--fake_oom_above", str(args.fake_oom_above)]
     if args.trace:
         argv += ["--trace", os.path.abspath(args.trace)]
-    for flag in ("tiny", "gradient_checkpointing", "precompute_ref_log_probs", "profile"):
+    for flag in ("tiny", "gradient_checkpointing", "precompute_ref_log_probs", "profile", "memory_snapshot"):
         if getattr(args, flag):
             argv.append("--" + flag)
     return argv
@@ -320,7 +325,7 @@ def synthetic_rows(args: argparse.Namespace, length: int, vocab: int) -> dict[st
     """
     import numpy as np
 
-    rows = (args.warmup_steps + args.timed_steps + int(args.profile)) * args.pairs
+    rows = total_steps(args) * args.pairs
     rng = np.random.default_rng([args.seed, length])
     completion = length - args.prompt_length
     half = vocab // 2
@@ -330,8 +335,16 @@ def synthetic_rows(args: argparse.Namespace, length: int, vocab: int) -> dict[st
     return {"prompt_ids": prompt.tolist(), "chosen_ids": chosen.tolist(), "rejected_ids": rejected.tolist()}
 
 
-def make_callback(sync, profile_step: int | None = None, trace: str | None = None):
-    """Times every step; with `profile_step`, profiles that step (0-based) with torch.profiler
+def total_steps(args: argparse.Namespace) -> int:
+    """Warm-up, timed, then the untimed extra steps: one profiled, one memory-recorded."""
+    return args.warmup_steps + args.timed_steps + int(args.profile) + int(args.memory_snapshot)
+
+
+def make_callback(sync, profile_step: int | None = None, trace: str | None = None, *,
+                  snapshot_step: int | None = None, tokens: int | None = None):
+    """Times every step; with `snapshot_step`, records the allocator's history over that
+    step (0-based) and keeps what is alive at its peak (memory_peak.peak_breakdown, per
+    `tokens`); with `profile_step`, profiles that step (0-based) with torch.profiler
     (and with `trace`, a path ending in .json.gz, writes its Chrome trace there)."""
     from transformers import TrainerCallback
 
@@ -342,9 +355,16 @@ def make_callback(sync, profile_step: int | None = None, trace: str | None = Non
             self.logs: list[dict] = []
             self.profiler = None
             self.profile: dict | None = None
+            self.memory: dict | None = None
+            self.baseline: int | None = None
 
         def on_step_begin(self, args, state, control, **kwargs):
             sync()
+            if snapshot_step is not None and len(self.begin) == snapshot_step:
+                import torch
+
+                torch.cuda.memory._record_memory_history(max_entries=5_000_000, stacks="python")
+                self.baseline = torch.cuda.memory_allocated()
             if profile_step is not None and len(self.begin) == profile_step:
                 import torch.profiler as tp
 
@@ -355,6 +375,15 @@ def make_callback(sync, profile_step: int | None = None, trace: str | None = Non
         def on_step_end(self, args, state, control, **kwargs):
             sync()
             self.end.append(time.perf_counter())
+            if self.baseline is not None:
+                import torch
+
+                from benchmarks.memory_peak import peak_breakdown
+
+                snap = torch.cuda.memory._snapshot()
+                torch.cuda.memory._record_memory_history(enabled=None)
+                self.memory = peak_breakdown(snap["device_traces"][torch.cuda.current_device()], self.baseline, tokens)
+                self.baseline = None
             if self.profiler is not None:
                 self.profiler.stop()
                 self.profile = summarise_profile(self.profiler, self.end[-1] - self.begin[-1])
@@ -401,7 +430,7 @@ def common_training_args(args: argparse.Namespace, length: int, output_dir: str)
         gradient_checkpointing=args.gradient_checkpointing,
         gradient_checkpointing_kwargs={"use_reentrant": False} if args.gradient_checkpointing else None,
         precompute_ref_log_probs=args.precompute_ref_log_probs,
-        max_steps=args.warmup_steps + args.timed_steps + int(args.profile), learning_rate=args.learning_rate,
+        max_steps=total_steps(args), learning_rate=args.learning_rate,
         beta=args.beta, loss_type=["sigmoid"], lr_scheduler_type="linear",
         warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, seed=args.seed, data_seed=args.seed,
         train_sampling_strategy="sequential", disable_dropout=True,
@@ -499,7 +528,10 @@ def run_worker(args: argparse.Namespace) -> int:
         vocab = model_config(args).vocab_size
         rows = synthetic_rows(args, length, vocab)
         trace = os.path.join(args.trace, f"trace-{config}-{length}.json.gz") if args.trace else None
-        callback = make_callback(sync, args.warmup_steps + args.timed_steps if args.profile else None, trace)
+        timed_end = args.warmup_steps + args.timed_steps
+        callback = make_callback(sync, timed_end if args.profile else None, trace,
+                                 snapshot_step=timed_end + int(args.profile) if args.memory_snapshot else None,
+                                 tokens=2 * args.pairs * length)
         output_dir = os.path.join(os.path.dirname(os.path.abspath(args.result)), f"out-{config}-{length}")
         build = build_ours if config.startswith("ours") else build_trl
         with timer("init"):
@@ -510,7 +542,7 @@ def run_worker(args: argparse.Namespace) -> int:
             if args.fake_oom_above is not None and length > args.fake_oom_above:
                 raise torch.cuda.OutOfMemoryError(f"fake OOM above {args.fake_oom_above} (--fake_oom_above)")
             trainer.train()
-        steps = args.warmup_steps + args.timed_steps + int(args.profile)
+        steps = total_steps(args)
         tokens_per_step = 2 * args.pairs * length
         if len(callback.begin) != steps or len(callback.end) != steps:
             raise RuntimeError(f"expected {steps} steps, timed {len(callback.begin)} begins / {len(callback.end)} ends")
@@ -532,7 +564,7 @@ def run_worker(args: argparse.Namespace) -> int:
             precompute_s=precompute, train_s=timings["train"], init_s=timings["init"],
             peak_gib=peak(), reserved_gib=torch.cuda.max_memory_reserved() / 2**30 if cuda else None,
             total_gib=torch.cuda.get_device_properties(0).total_memory / 2**30 if cuda else None,
-            logs=callback.logs, profile=callback.profile,
+            logs=callback.logs, profile=callback.profile, memory=callback.memory,
         )
     except torch.cuda.OutOfMemoryError as e:
         result.update(status="OOM", peak_gib=peak(), error=(str(e).splitlines() or ["OutOfMemoryError"])[0][:300])
@@ -543,7 +575,11 @@ def run_worker(args: argparse.Namespace) -> int:
                       error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300])
         traceback.print_exc()
     write()
-    log(json.dumps({k: v for k, v in result.items() if k not in ("logs", "step_times", "profile")}))
+    log(json.dumps({k: v for k, v in result.items() if k not in ("logs", "step_times", "profile", "memory")}))
+    if result.get("memory"):
+        from benchmarks.memory_peak import format_breakdown
+
+        log(f"memory at the peak of one extra step ({config}, length {length}):\n" + format_breakdown(result["memory"]))
     if result.get("profile"):
         prof = result["profile"]
         log(f"profile of one step: {prof['step_ms']:.1f} ms wall, GPU kernels {prof['gpu_busy_ms']:.1f} ms")
@@ -588,6 +624,15 @@ def launch(args: argparse.Namespace, config: str, length: int, tag: str, **steps
         for line in tail:
             log("     | " + line)
     return result
+
+
+def log_memory(config: str, length: int, result: dict) -> None:
+    """With --memory_snapshot: what was alive at the recorded step's peak."""
+    if result.get("memory"):
+        from benchmarks.memory_peak import format_breakdown
+
+        log(f"\n  memory at the peak of the recorded step, {config} at length {length}:\n"
+            + "\n".join("    " + line for line in format_breakdown(result["memory"]).splitlines()) + "\n")
 
 
 def fmt(x, spec: str) -> str:
@@ -748,6 +793,7 @@ def benchmark(args, skipped) -> dict:
                     f"losses {', '.join(f'{x:.4f}' for x in first(r, 'loss'))} ({r['wall_s']:.0f} s)")
             else:
                 log(f"  {config}: {r['status']} ({r.get('error', '')[:200]})")
+            log_memory(config, length, r)
             if r.get("profile"):
                 prof = r["profile"]
                 log(f"  {config} profile (one extra step): {prof['step_ms']:.1f} ms wall, GPU kernels "
@@ -827,14 +873,16 @@ def memory_fit(args, skipped) -> dict:
         if skipped[config]:
             out[config] = {"status": "skipped", "reason": skipped[config]}
             continue
-        points, total = [], None
+        points, total, breakdowns = [], None, {}
         for length in args.memory_fit:
             r = launch(args, config, length, f"fit-{config}-{length}", warmup=args.fit_warmup_steps, timed=1)
             log(f"  {config} at {length}: {r['status']}" + (f", peak {r['peak_gib']:.2f} GiB" if r.get("peak_gib") else ""))
+            log_memory(config, length, r)
             if r["status"] == "ok" and r.get("peak_gib") is not None:  # None on the CPU
                 points.append((length, r["peak_gib"]))
+                breakdowns[length] = r.get("memory")
                 total = r.get("total_gib") or total
-        entry: dict = {"status": "ok", "points": points, "total_gib": total}
+        entry: dict = {"status": "ok", "points": points, "total_gib": total, "memory": breakdowns}
         if len(points) >= 2 and total:
             n = len(points)
             mx = sum(x for x, _ in points) / n
