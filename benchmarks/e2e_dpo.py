@@ -145,8 +145,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="with --memory_fit: untimed steps before the one timed step of each probe (default 1; "
                         "2 keeps a step-2 recompile out of the timing)")
     p.add_argument("--verify_fit", action="store_true",
-                   help="with --memory_fit: also train 2 steps at each predicted length (rounded down to "
-                        "--search_step) to check that it fits")
+                   help="with --memory_fit: also train at the predicted length (rounded down to --search_step), "
+                        "then one --search_step above it if it fit (or below if not), so that the longest length "
+                        "is bracketed by a run that fits and one that does not (at most --verify_probes runs)")
+    p.add_argument("--verify_probes", type=int, default=3, help="with --verify_fit: the most runs per config")
     p.add_argument("--search_min", type=int, default=0,
                    help="a length known to fit, not probed (skips probes below it); default: none")
     p.add_argument("--search_max", type=int, default=None, help="default 32768 (--tiny: 256)")
@@ -216,9 +218,19 @@ def worker_argv(args: argparse.Namespace, config: str, length: int, result: str,
     if args.trace:
         argv += ["--trace", os.path.abspath(args.trace)]
     for flag in ("tiny", "gradient_checkpointing", "precompute_ref_log_probs", "profile", "memory_snapshot"):
-        if getattr(args, flag):
+        if getattr(args, flag) and not (flag == "memory_snapshot" and snapshot_unsupported(args, config)):
             argv.append("--" + flag)
     return argv
+
+
+def snapshot_unsupported(args: argparse.Namespace, config: str) -> str | None:
+    """Why --memory_snapshot is not recorded for this run (None: it is)."""
+    if "compile" in config and args.gradient_checkpointing:
+        # Seen on the H200 (torch 2.11, 2026-12-03): with the allocator's history recorded,
+        # the checkpoint's recompute of a compiled layer failed in the backward with
+        # "SystemError: <built-in method apply of FunctionMeta object> returned NULL".
+        return "recording crashed the checkpointed recompute of compiled layers (torch 2.11)"
+    return None
 
 
 # ------------------------------------------------------------------------- environment
@@ -400,13 +412,37 @@ def make_callback(sync, profile_step: int | None = None, trace: str | None = Non
     return StepTimer()
 
 
+# Kernel kinds of a profiled step, by name (first match wins): what any implementation of
+# the same computation must run (GEMMs, attention) against what differs between them.
+KERNEL_KINDS = (
+    ("GEMM", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitkreduce")),
+    ("head element-wise", ("chunk_kernel", "logprob")),
+    ("compiled element-wise (inductor)", ("triton_poi", "triton_per", "triton_red", "triton_tem")),
+    ("attention", ("flash", "fmha", "cudnn", "attn", "sdpa")),
+    ("optimizer and clipping", ("adam", "multi_tensor", "foreach", "lpnorm")),
+    ("Liger layer kernels", ("rms_norm", "swiglu", "rope", "liger")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    for kind, needles in KERNEL_KINDS:
+        if any(n in low for n in needles):
+            return kind
+    return "other (copies, casts, reductions, eager element-wise)"
+
+
 def summarise_profile(prof, step_s: float) -> dict:
-    """The profiled step's top CUDA kernels and how busy the GPU was."""
+    """The profiled step's top CUDA kernels, their time by kind, and how busy the GPU was."""
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]  # kernels, not the ops launching them
     kernels = sorted(((e.key, e.self_device_time_total / 1e3, e.count) for e in events
                       if e.self_device_time_total > 0), key=lambda x: -x[1])
     busy = sum(ms for _, ms, _ in kernels)
+    kinds: dict[str, float] = {}
+    for name, ms, _ in kernels:
+        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + ms
     return {"step_ms": step_s * 1e3, "gpu_busy_ms": busy,
+            "by_kind": {k: round(v, 3) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
             "top": [{"kernel": k[:110], "ms": round(ms, 3), "calls": c} for k, ms, c in kernels[:40]]}
 
 
@@ -594,6 +630,8 @@ def run_worker(args: argparse.Namespace) -> int:
 def launch(args: argparse.Namespace, config: str, length: int, tag: str, **steps) -> dict:
     result_path = os.path.join(args.log_dir, f"{tag}.json")
     log_path = os.path.join(args.log_dir, f"{tag}.log")
+    if args.memory_snapshot and snapshot_unsupported(args, config):
+        log(f"  ({config}: no memory snapshot: {snapshot_unsupported(args, config)})")
     if os.path.exists(result_path):
         os.remove(result_path)
     env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", TQDM_DISABLE="1",
@@ -797,7 +835,8 @@ def benchmark(args, skipped) -> dict:
             if r.get("profile"):
                 prof = r["profile"]
                 log(f"  {config} profile (one extra step): {prof['step_ms']:.1f} ms wall, GPU kernels "
-                    f"{prof['gpu_busy_ms']:.1f} ms; top kernels:")
+                    f"{prof['gpu_busy_ms']:.1f} ms; by kind: "
+                    + ", ".join(f"{k} {v:.1f}" for k, v in prof.get("by_kind", {}).items()) + "; top kernels:")
                 for row in prof["top"][:25]:
                     log(f"    {row['ms']:9.3f} ms {row['calls']:6d}x  {row['kernel']}")
         log("\n" + table(length, results, skipped, args) + "\n")
@@ -896,11 +935,7 @@ def memory_fit(args, skipped) -> dict:
             log(f"  {config}: peak = {intercept:.2f} GiB + {slope * 1024:.3f} GiB per 1k tokens of length "
                 f"(worst residual {worst:.2f} GiB); reaches {total:.1f} GiB at length ~{predicted}")
             if args.verify_fit:
-                length = predicted // args.search_step * args.search_step
-                r = launch(args, config, length, f"verify-{config}-{length}", warmup=args.fit_warmup_steps, timed=1)
-                entry["verified"] = {"length": length, "status": r["status"], "peak_gib": r.get("peak_gib")}
-                log(f"  {config} at {length} (the prediction, rounded down): {r['status']}"
-                    + (f", peak {r['peak_gib']:.2f} GiB" if r.get("peak_gib") else ""))
+                entry["verified"] = verify_boundary(args, config, predicted // args.search_step * args.search_step)
         else:
             entry["status"] = "incomplete"
         out[config] = entry
@@ -912,10 +947,41 @@ def memory_fit(args, skipped) -> dict:
             continue
         peaks = ", ".join(f"{y:.1f}" for _, y in e["points"])
         checked = e.get("verified")
-        checked = f"{checked['length']}: {checked['status']}" if checked else "not run"
+        if checked:
+            checked = "; ".join(f"{p['length']}: {p['status']}" for p in checked["probes"]) + (
+                f" -> longest that fits: {checked['longest_fit']}"
+                + (f" (OOM at {checked['shortest_oom']})" if checked["shortest_oom"] else " (no OOM probed)")
+                if checked["longest_fit"] else "")
+        else:
+            checked = "not run"
         log(f"| {config} | {peaks} | {fmt(e.get('slope_gib_per_1k'), '.3f')} | "
             f"{fmt(e.get('predicted'), 'd')} (prediction) | {checked} |")
     return out
+
+
+def verify_boundary(args, config: str, start: int) -> dict:
+    """Runs at `start`, then walks by --search_step (up after a fit, down after an OOM) until
+    a length that fits and the next one that does not are both measured, or --verify_probes
+    runs are spent. Returns the probes and the bracket (longest fit, shortest OOM)."""
+    probes: list[dict] = []
+    length, fits, ooms = start, [], []
+    while len(probes) < args.verify_probes and length > args.prompt_length:
+        r = launch(args, config, length, f"verify-{config}-{length}", warmup=args.fit_warmup_steps, timed=1)
+        probes.append({"length": length, "status": r["status"], "peak_gib": r.get("peak_gib"),
+                       "tokens_per_s": r.get("tokens_per_s")})
+        log(f"  {config} at {length}{' (the prediction, rounded down)' if length == start else ''}: {r['status']}"
+            + (f", peak {r['peak_gib']:.2f} GiB" if r.get("peak_gib") else ""))
+        if r["status"] == "ok":
+            fits.append(length)
+        elif r["status"] == "OOM":
+            ooms.append(length)
+        else:
+            break
+        longest, shortest_oom = max(fits, default=None), min(ooms, default=None)
+        if longest is not None and shortest_oom is not None and shortest_oom - longest <= args.search_step:
+            break
+        length = length + args.search_step if r["status"] == "ok" else length - args.search_step
+    return {"probes": probes, "longest_fit": max(fits, default=None), "shortest_oom": min(ooms, default=None)}
 
 
 def recheck(args) -> int:
