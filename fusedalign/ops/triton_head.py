@@ -17,9 +17,19 @@ grad_h += G W_c, grad_down += s G up_c accumulate over chunks in fp32.
 Why the vocabulary: with a chunk of M logits, one of the two parameter-sized gradients
 must be accumulated across chunks. Chunking tokens accumulates grad_W (V x H) over N V / M
 chunks; chunking the vocabulary accumulates grad_h (N x H) over the same number of chunks.
-N < V in every run we care about (V ~ 150k), so this moves ~V/N times fewer bytes and
-needs an fp32 accumulator of N x H x 4 bytes instead of V x H x 4 (for bf16/fp16 inputs;
-fp32 inputs accumulate straight into the returned gradient).
+While N < V this moves ~V/N times fewer bytes and needs an fp32 accumulator of N x H x 4
+bytes instead of V x H x 4 (for bf16/fp16 inputs; fp32 inputs accumulate straight into
+the returned gradient).
+
+Long inputs: a chunk holds M / N columns, and every chunk re-reads all N hidden rows (and,
+in backward, the N x H accumulator) for them. Once that leaves fewer than MIN_COLS columns
+(N > ~57k tokens at V = 151,936 and the default budget: a DPO step of 8 pairs at 4k
+tokens), the GEMMs turn memory-bound; at 1.5M tokens (8 pairs at 94k) a chunk was 38
+columns wide and the op several times slower than the GEMMs it runs (docs/benchmarks.md).
+So the tokens are taken in row blocks of at most M / MIN_COLS rows, each chunked over the
+vocabulary as above; grad_W and the adapter's grad_up then sum over the blocks, in an fp32
+V x H accumulator (0.5 GiB at Qwen2.5-0.5B's shape), which at such N is smaller than the
+N x H one it replaces.
 """
 
 from __future__ import annotations
@@ -53,6 +63,10 @@ BWD_BIAS_CONFIG = (32, 256, 8)
 BLOCK_FWD_CONFIG = (1, 4096, 8)
 # Chunk widths are rounded down to a multiple of this (GEMM- and kernel-friendly).
 COL_ALIGN = 256
+# The narrowest vocabulary chunk the op accepts before it splits the tokens into row
+# blocks (module doc): at 1024 columns a chunk's GEMM does 1024 FLOP per byte of hidden
+# it reads, well above the H200's ~200 FLOP/byte balance point.
+MIN_COLS = 1024
 
 
 def _kernels():
@@ -71,6 +85,23 @@ def chunk_cols(n: int, v: int, opts: HeadOptions) -> int:
     if cols >= 2 * COL_ALIGN:
         cols -= cols % COL_ALIGN
     return max(cols, 1)
+
+
+def row_blocks(n: int, v: int, opts: HeadOptions) -> list[tuple[int, int]]:
+    """Row ranges [r0, r1) taken one after another: one block unless the budget would leave
+    chunks narrower than MIN_COLS (or V) columns at n rows; then equal blocks that don't."""
+    width = min(MIN_COLS, v)
+    budget = opts.chunk_rows * v  # logits per chunk
+    if n == 0 or budget // n >= width:
+        return [(0, n)]
+    count = -(-n // max(budget // width, 1))
+    bounds = [i * n // count for i in range(count + 1)]  # sizes differ by at most one row
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _buffer_rows(blocks: list[tuple[int, int]], v: int, opts: HeadOptions) -> int:
+    """Elements of the largest chunk any block takes (its rows x its chunk's columns)."""
+    return max((r1 - r0) * chunk_cols(r1 - r0, v, opts) for r0, r1 in blocks)
 
 
 class _TritonHeadLogprobs(torch.autograd.Function):
@@ -153,14 +184,19 @@ def _forward(hidden, weight, labels, bias, down, up, opts: HeadOptions):
     lab = torch.where(valid, labels, -1).to(torch.int32)
     state = _new_state(n, opts, dev, lab)
     if n > 0:
-        cols = chunk_cols(n, v, opts)
-        buf = torch.empty(n * cols, dtype=hidden.dtype, device=dev)
-        lbuf = None if down is None else torch.empty(n * cols, dtype=down.dtype, device=dev)
-        config = _blocks(FWD_CONFIG, n, cols, hidden.is_cuda)
-        for c0 in range(0, v, cols):
-            cl = min(cols, v - c0)
-            x, lx = _chunk_logits(buf, lbuf, hidden, weight, down, up, c0, cl)
-            _fold(x, lx if down is not None else None, bias, lab, state, c0, opts, config)
+        blocks = row_blocks(n, v, opts)
+        size = _buffer_rows(blocks, v, opts)
+        buf = torch.empty(size, dtype=hidden.dtype, device=dev)
+        lbuf = None if down is None else torch.empty(size, dtype=down.dtype, device=dev)
+        for r0, r1 in blocks:
+            h_b, d_b = hidden[r0:r1], None if down is None else down[r0:r1]
+            s_b = tuple(t[r0:r1] for t in state)  # views: the kernel folds into the block's rows
+            cols = chunk_cols(r1 - r0, v, opts)
+            config = _blocks(FWD_CONFIG, r1 - r0, cols, hidden.is_cuda)
+            for c0 in range(0, v, cols):
+                cl = min(cols, v - c0)
+                x, lx = _chunk_logits(buf, lbuf, h_b, weight, d_b, up, c0, cl)
+                _fold(x, lx if down is not None else None, bias, lab[r0:r1], s_b, c0, opts, config)
         del buf, lbuf
     return _finish(state, valid, labels, v, opts)
 
@@ -214,57 +250,101 @@ def _backward(g, hidden, weight, labels, bias, down, up, lse2, opts: HeadOptions
     lab = torch.where(valid, labels, -1).to(torch.int32)
     # Ignored positions get exactly zero gradient, even if the upstream sent NaN there.
     gs = torch.where(valid, g.float(), 0.0) * (opts.logit_scale / opts.temperature)
-
-    def acc_like(t: Tensor) -> Tensor:  # fp32 running sum for half-precision tensors
-        return torch.zeros(t.shape, dtype=torch.float32 if t.dtype in _HALF else t.dtype, device=dev)
-
-    g_h = acc_like(hidden) if need_h else None
-    g_down = acc_like(down) if need_down else None
-    # Complete per chunk (their GEMM sums over all N tokens): written once, no accumulator.
+    blocks = row_blocks(n, v, opts) if n > 0 else []
+    # Per-row gradients are written block by block; the per-column ones (weight, bias, up)
+    # are complete after one block's chunk (its GEMM sums over the block's rows in fp32),
+    # so with one block they are written once, and with several summed in fp32.
+    one = len(blocks) <= 1
+    g_h = torch.empty_like(hidden) if need_h else None
+    g_down = torch.empty_like(down) if need_down else None
     zeros_if_empty = torch.zeros if n == 0 else torch.empty
-    g_w = zeros_if_empty(weight.shape, dtype=weight.dtype, device=dev) if need_w else None
-    g_b = zeros_if_empty(bias.shape, dtype=bias.dtype, device=dev) if need_b else None
-    g_up = zeros_if_empty(up.shape, dtype=up.dtype, device=dev) if need_up else None
-
+    col_grads = []
+    for t, wanted in ((weight, need_w), (bias, need_b), (up, need_up)):
+        if not wanted:
+            col_grads.append(None)
+        elif one:
+            col_grads.append(zeros_if_empty(t.shape, dtype=t.dtype, device=dev))
+        else:
+            col_grads.append(_acc_like(t, zeros=True))
     if n > 0:
-        kernel = _kernels().bwd_chunk_kernel
-        cols = chunk_cols(n, v, opts)
-        buf = torch.empty(n * cols, dtype=hidden.dtype, device=dev)
-        lbuf = None if down is None else torch.empty(n * cols, dtype=down.dtype, device=dev)
-        br, bc, warps = _blocks(BWD_BIAS_CONFIG if need_b else BWD_CONFIG, n, cols, hidden.is_cuda)
-        row_blocks = triton.cdiv(n, br)
-        dbias = torch.empty(row_blocks, cols, dtype=torch.float32, device=dev) if need_b else lab
-        scalars = _scalars(opts)
-        for c0 in range(0, v, cols):
-            cl = min(cols, v - c0)
-            x, lx = _chunk_logits(buf, lbuf, hidden, weight, down, up, c0, cl)
-            kernel[(row_blocks, triton.cdiv(cl, bc))](
-                x, cl, lx, cl, x if bias is None else bias, lab, lse2, gs, dbias, cols,
-                n, c0, cl, *scalars,
-                HAS_BIAS=bias is not None, HAS_LORA=down is not None,
-                HAS_SOFTCAP=opts.softcap is not None, BIAS_GRAD=need_b,
-                LORA_GRAD=need_down or need_up, ACCURATE_TANH=hidden.is_cuda,
-                BLOCK_R=br, BLOCK_C=bc, num_warps=warps,
+        size = _buffer_rows(blocks, v, opts)
+        buf = torch.empty(size, dtype=hidden.dtype, device=dev)
+        lbuf = None if down is None else torch.empty(size, dtype=down.dtype, device=dev)
+        for r0, r1 in blocks:
+            sl = slice(r0, r1)
+            d_b = None if down is None else down[sl]
+            acc_h, acc_down = _backward_block(
+                buf, lbuf, hidden[sl], weight, bias, d_b, up, lab[sl], lse2[sl], gs[sl], col_grads, opts,
+                need=need, accumulate=not one,
             )
-            # x now holds G [N, C] (input dtype); lx holds G in the adapter's dtype.
-            w_c = weight[c0:c0 + cl]
-            if need_h:
-                accumulate_mm(g_h, x, w_c)  # [N, C] @ [C, H]
-            if need_w:
-                torch.mm(x.t(), hidden, out=g_w[c0:c0 + cl])  # [C, N] @ [N, H]
-            if need_b:
-                g_b[c0:c0 + cl] = dbias[:, :cl].sum(dim=0)
-            if need_up:
-                g_up[c0:c0 + cl] = wide_mm(lx.t(), down).mul_(opts.low_rank_scale)  # [C, N] @ [N, r]
-            if need_down:
-                accumulate_mm(g_down, lx, up[c0:c0 + cl])  # [N, C] @ [C, r]
-        del buf, lbuf, dbias
-
-    if g_down is not None:
-        g_down = g_down.mul_(opts.low_rank_scale).to(down.dtype)
-    if g_h is not None:
-        g_h = g_h.to(hidden.dtype)
+            if acc_h is not None:
+                g_h[sl] = acc_h
+            if acc_down is not None:
+                g_down[sl] = acc_down.mul_(opts.low_rank_scale)
+        del buf, lbuf
+    g_w, g_b, g_up = col_grads
+    if not one:
+        if g_up is not None:
+            g_up.mul_(opts.low_rank_scale)
+        g_w, g_b, g_up = (None if acc is None else acc.to(t.dtype)
+                          for acc, t in zip(col_grads, (weight, bias, up)))
     return g_h, g_w, g_b, g_down, g_up
+
+
+def _acc_like(t: Tensor, zeros: bool = True) -> Tensor:
+    """An fp32 running sum for a half-precision tensor (t's own dtype otherwise)."""
+    dtype = torch.float32 if t.dtype in _HALF else t.dtype
+    return (torch.zeros if zeros else torch.empty)(t.shape, dtype=dtype, device=t.device)
+
+
+def _backward_block(buf, lbuf, hidden, weight, bias, down, up, lab, lse2, gs, col_grads, opts: HeadOptions, *,
+                    need, accumulate: bool):
+    """One row block's chunks. Returns its (grad_h, grad_down) rows, fp32 for half inputs;
+    adds (accumulate) or writes its grad_W, grad_b, grad_up columns into `col_grads`."""
+    need_h, need_w, need_b, need_down, need_up = need
+    g_w, g_b, g_up = col_grads
+    n, v = hidden.shape[0], weight.shape[0]
+    acc_h = _acc_like(hidden) if need_h else None
+    acc_down = _acc_like(down) if need_down else None
+    kernel = _kernels().bwd_chunk_kernel
+    cols = chunk_cols(n, v, opts)
+    br, bc, warps = _blocks(BWD_BIAS_CONFIG if need_b else BWD_CONFIG, n, cols, hidden.is_cuda)
+    row_tiles = triton.cdiv(n, br)
+    dbias = torch.empty(row_tiles, cols, dtype=torch.float32, device=hidden.device) if need_b else lab
+    scalars = _scalars(opts)
+    for c0 in range(0, v, cols):
+        cl = min(cols, v - c0)
+        x, lx = _chunk_logits(buf, lbuf, hidden, weight, down, up, c0, cl)
+        kernel[(row_tiles, triton.cdiv(cl, bc))](
+            x, cl, lx, cl, x if bias is None else bias, lab, lse2, gs, dbias, cols,
+            n, c0, cl, *scalars,
+            HAS_BIAS=bias is not None, HAS_LORA=down is not None,
+            HAS_SOFTCAP=opts.softcap is not None, BIAS_GRAD=need_b,
+            LORA_GRAD=need_down or need_up, ACCURATE_TANH=hidden.is_cuda,
+            BLOCK_R=br, BLOCK_C=bc, num_warps=warps,
+        )
+        # x now holds G [n, C] (input dtype); lx holds G in the adapter's dtype.
+        w_c = weight[c0:c0 + cl]
+        if need_h:
+            accumulate_mm(acc_h, x, w_c)  # [n, C] @ [C, H]
+        if need_w:
+            if accumulate:
+                accumulate_mm(g_w[c0:c0 + cl], x.t(), hidden)  # [C, n] @ [n, H]
+            else:
+                torch.mm(x.t(), hidden, out=g_w[c0:c0 + cl])
+        if need_b:
+            if accumulate:
+                g_b[c0:c0 + cl] += dbias[:, :cl].sum(dim=0)
+            else:
+                g_b[c0:c0 + cl] = dbias[:, :cl].sum(dim=0)
+        if need_up:
+            if accumulate:
+                accumulate_mm(g_up[c0:c0 + cl], lx.t(), down)  # [C, n] @ [n, r]; scaled at the end
+            else:
+                g_up[c0:c0 + cl] = wide_mm(lx.t(), down).mul_(opts.low_rank_scale)
+        if need_down:
+            accumulate_mm(acc_down, lx, up[c0:c0 + cl])  # [n, C] @ [C, r]
+    return acc_h, acc_down
 
 
 class TritonBlocks:

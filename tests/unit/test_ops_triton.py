@@ -81,8 +81,15 @@ def check_parity(p_dev, p_cpu, opts, out, grads, rtol):
 
 @needs_cuda
 @pytest.mark.gpu
+@pytest.mark.parametrize("min_cols", [1, None], ids=["vocab_chunks", "default"])
 @pytest.mark.parametrize("case", list(ALL_CASES), ids=list(ALL_CASES))
-def test_cuda_values_and_grads_match_oracle(case):
+def test_cuda_values_and_grads_match_oracle(case, min_cols, monkeypatch):
+    """min_cols=1: chunks over the vocabulary only, as the op runs on long vocabularies below
+    ~57k rows; default: these small vocabularies are taken in row blocks whenever chunked."""
+    if min_cols is not None:
+        from fusedalign.ops import triton_head
+
+        monkeypatch.setattr(triton_head, "MIN_COLS", min_cols)
     n, v, h, chunk, prob, opt = ALL_CASES[case]
     p = make_problem(n, v, h, dtype=torch.float32, **prob)
     opts = opts_of(**opt)
@@ -232,14 +239,23 @@ def test_cuda_auto_picks_triton_except_float64():
 
 @needs_cuda
 @pytest.mark.gpu
-def test_cuda_peak_memory_is_chunk_plus_hidden_accumulator():
+@pytest.mark.parametrize("row_blocked", [False, True])
+def test_cuda_peak_memory_is_chunk_plus_accumulators(row_blocked, monkeypatch):
+    """Vocabulary chunks: one chunk + the fp32 grad_h accumulator (n h 4). Row blocks: one
+    chunk + the fp32 grad_W accumulator (V h 4) + one block's fp32 grad_h."""
+    from fusedalign.ops import triton_head
+
     n, v, h = 4096, 32000, 256
+    budget = 8 * 2**20  # 65 rows of V: chunks of ~507 columns at n = 4096
+    monkeypatch.setattr(triton_head, "MIN_COLS", 1024 if row_blocked else 1)
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(n, h, generator=gen).cuda().bfloat16().requires_grad_()
     weight = (torch.randn(v, h, generator=gen) / 16).cuda().bfloat16().requires_grad_()
     labels = torch.randint(0, v, (n,), generator=gen).cuda()
     g = torch.randn(n, generator=gen).cuda()
-    budget = 8 * 2**20
+    blocks = triton_head.row_blocks(n, v, HeadOptions(chunk_rows=resolve_chunk_rows(
+        n, v, torch.device("cuda"), memory_budget_bytes=budget)))
+    assert (len(blocks) > 1) == row_blocked
 
     def step():
         out = head_logprobs(hidden, weight, labels, entropy=True, argmax=True,
@@ -254,9 +270,53 @@ def test_cuda_peak_memory_is_chunk_plus_hidden_accumulator():
     torch.cuda.synchronize()
     returned = gh.numel() * gh.element_size() + gw.numel() * gw.element_size()
     extra = torch.cuda.max_memory_allocated() - base - returned
-    # One bf16 chunk (<= budget / 2) + the fp32 grad_h accumulator (n h 4) + small change.
-    assert extra <= budget // 2 + n * h * 4 + 2 * 2**20, extra
-    assert extra < n * v * 2 // 8  # far below the bf16 logits
+    if row_blocked:
+        rows = max(r1 - r0 for r0, r1 in blocks)
+        assert extra <= budget // 2 + v * h * 4 + rows * h * 4 + 2 * 2**20, extra
+    else:
+        assert extra <= budget // 2 + n * h * 4 + 2 * 2**20, extra
+    assert extra < n * v * 2 // 4  # far below the bf16 logits
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["everything", "low_rank", "bias", "mixed_ignored", "random3"])
+def test_cuda_row_blocks_match_oracle(case, monkeypatch):
+    """Long inputs are taken in row blocks (grad_W, grad_b, grad_up summed over blocks in fp32):
+    forced here on small problems by raising the narrowest chunk the op accepts."""
+    from fusedalign.ops import triton_head
+
+    monkeypatch.setattr(triton_head, "MIN_COLS", 24)
+    n, v, h, chunk, prob, opt = ALL_CASES[case]
+    p = make_problem(n, v, h, dtype=torch.float32, **prob)
+    assert len(triton_head.row_blocks(n, v, HeadOptions(chunk_rows=chunk))) > 1, case
+    opts = opts_of(**opt)
+    pd = on(p, "cuda")
+    out, grads = run_op(pd, opts, "triton", chunk_size=chunk)
+    check_parity(pd, p, opts, out, grads, rtol=1e-5)
+
+
+def test_row_blocks_keep_chunks_wide_on_long_inputs():
+    """At V = 151,936 and the CUDA budget: one block up to ~57k rows (the regime the kernels
+    were tuned in), then blocks whose chunks are >= MIN_COLS wide, covering every row once."""
+    from fusedalign.ops.triton_head import MIN_COLS, chunk_cols, row_blocks
+
+    v, cuda = 151_936, torch.device("cuda")
+    for n in (1, 16_384, 28_672, 56_000):
+        opts = HeadOptions(chunk_rows=resolve_chunk_rows(n, v, cuda))
+        assert row_blocks(n, v, opts) == [(0, n)], n
+    for n in (61_440, 250_000, 1_506_304):  # 8 DPO pairs at 4k, 16k, 94k tokens
+        opts = HeadOptions(chunk_rows=resolve_chunk_rows(n, v, cuda))
+        assert chunk_cols(n, v, opts) < MIN_COLS, n  # one block would be too narrow
+        blocks = row_blocks(n, v, opts)
+        assert len(blocks) > 1 and blocks[0][0] == 0 and blocks[-1][1] == n, n
+        assert all(a[1] == b[0] for a, b in zip(blocks, blocks[1:])), n
+        assert all(chunk_cols(r1 - r0, v, opts) >= MIN_COLS for r0, r1 in blocks), n
+        sizes = [r1 - r0 for r0, r1 in blocks]
+        assert max(sizes) - min(sizes) <= 1, n  # equal blocks, not one sliver at the end
+    # A vocabulary narrower than MIN_COLS: blocks only where a chunk would not hold all of it.
+    assert row_blocks(100, 50, HeadOptions(chunk_rows=100)) == [(0, 100)]
+    assert len(row_blocks(100, 50, HeadOptions(chunk_rows=10))) == 10
 
 
 # --------------------------------------------------------------------------- compiling
@@ -379,8 +439,12 @@ def patch_interpreter():
 
 
 def interpreter_checks():
-    """Run in the subprocess above: a few small cases, fp32 and bf16, all outputs."""
+    """Run in the subprocess above: a few small cases, fp32 and bf16, all outputs, chunked
+    over the vocabulary only (row blocks: `interpreter_row_block_checks`)."""
     patch_interpreter()
+    from fusedalign.ops import triton_head
+
+    triton_head.MIN_COLS = 1
     for case in ("everything", "vocab_prime", "all_ignored", "random4"):
         n, v, h, chunk, prob, opt = ALL_CASES[case]
         p = make_problem(n, v, h, dtype=torch.float32, **prob)
@@ -404,6 +468,45 @@ def interpreter_checks():
         assert got.dtype == torch.bfloat16, name
         assert fro_err(got, ref) <= fro_err(nv, ref) + tol, name
     print("interpreter checks passed")
+
+
+@pytest.mark.skipif(CUDA, reason="CUDA present: row blocks are tested compiled, above")
+def test_interpreter_row_blocks_match_oracle():
+    run_under_interpreter("tests.unit.test_ops_triton", "interpreter_row_block_checks", "row block checks passed")
+
+
+def interpreter_row_block_checks():
+    """Run in a subprocess: the row-blocked path (forced by raising MIN_COLS), fp32 values,
+    statistics and every gradient, and the bf16 criterion with grad_W summed over blocks."""
+    patch_interpreter()
+    from fusedalign.ops import triton_head
+
+    triton_head.MIN_COLS = 24
+    for case in ("everything", "low_rank", "mixed_ignored", "random3"):
+        n, v, h, chunk, prob, opt = ALL_CASES[case]
+        assert len(triton_head.row_blocks(n, v, HeadOptions(chunk_rows=chunk))) > 1, case
+        p = make_problem(n, v, h, dtype=torch.float32, **prob)
+        opts = opts_of(**opt)
+        out, grads = run_interpreted(p, opts, chunk, stats=True)
+        check_parity(p, p, opts, out, grads, rtol=3e-6)
+        want_entropy, want_mean, want_match = expected_stats(p, opts, every_row=True)
+        assert rel_err(out.entropy, want_entropy) <= 1e-6, case
+        assert torch.equal(out.argmax_match, want_match), case
+
+    triton_head.MIN_COLS = 64
+    p = make_problem(48, 150, 32, dtype=torch.bfloat16, bias=True, rank=4, ignore_frac=0.2,
+                     logit_std=4.0, seed=7)
+    assert len(triton_head.row_blocks(48, 150, HeadOptions(chunk_rows=9))) == 3
+    opts = opts_of(temperature=0.9, softcap=6.0, logit_scale=1.1, lr_scale=0.5)
+    truth, truth_grads, _ = run_oracle(p, opts)
+    naive, naive_grads, _ = run_oracle(p, opts, as_dtype=torch.bfloat16, upcast=torch.float32)
+    out, grads = run_interpreted(p, opts, chunk=9)
+    tol = 1e-3
+    assert fro_err(out.logps, truth) <= fro_err(naive, truth) + tol
+    for name, got, ref, nv in zip(GRAD_NAMES, grads, truth_grads, naive_grads):
+        assert got.dtype == torch.bfloat16, name
+        assert fro_err(got, ref) <= fro_err(nv, ref) + tol, name
+    print("row block checks passed")
 
 
 def run_interpreted(p, opts, chunk, stats=False):
