@@ -255,8 +255,10 @@ def _backward(g, hidden, weight, labels, bias, down, up, lse2, opts: HeadOptions
     # are complete after one block's chunk (its GEMM sums over the block's rows in fp32),
     # so with one block they are written once, and with several summed in fp32.
     one = len(blocks) <= 1
-    g_h = torch.empty_like(hidden) if need_h else None
-    g_down = torch.empty_like(down) if need_down else None
+    # With one block its fp32 rows become the result after the chunk buffer is freed (the
+    # peak stays one chunk + the accumulator); with several, each block's rows land here.
+    g_h = torch.empty_like(hidden) if need_h and not one else None
+    g_down = torch.empty_like(down) if need_down and not one else None
     zeros_if_empty = torch.zeros if n == 0 else torch.empty
     col_grads = []
     for t, wanted in ((weight, need_w), (bias, need_b), (up, need_up)):
@@ -277,11 +279,21 @@ def _backward(g, hidden, weight, labels, bias, down, up, lse2, opts: HeadOptions
                 buf, lbuf, hidden[sl], weight, bias, d_b, up, lab[sl], lse2[sl], gs[sl], col_grads, opts,
                 need=need, accumulate=not one,
             )
-            if acc_h is not None:
-                g_h[sl] = acc_h
             if acc_down is not None:
-                g_down[sl] = acc_down.mul_(opts.low_rank_scale)
+                acc_down.mul_(opts.low_rank_scale)
+            if not one:
+                if acc_h is not None:
+                    g_h[sl] = acc_h
+                if acc_down is not None:
+                    g_down[sl] = acc_down
+                acc_h = acc_down = None  # freed before the next block allocates its own
         del buf, lbuf
+        if one:
+            g_h = None if acc_h is None else acc_h.to(hidden.dtype)
+            g_down = None if acc_down is None else acc_down.to(down.dtype)
+    elif need_h or need_down:  # no rows: empty gradients of the right shapes
+        g_h = torch.empty_like(hidden) if need_h else None
+        g_down = torch.empty_like(down) if need_down else None
     g_w, g_b, g_up = col_grads
     if not one:
         if g_up is not None:
