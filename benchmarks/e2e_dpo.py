@@ -60,6 +60,8 @@ Examples:
     python benchmarks/e2e_dpo.py --lengths 2048 --precompute_ref_log_probs
     python benchmarks/e2e_dpo.py --per_device_train_batch_size 4   # 4 x GA 2 = 8 pairs
     python benchmarks/e2e_dpo.py --max_length_search --configs ours_fused trl_liger
+    python benchmarks/e2e_dpo.py --memory_fit 8192 16384 --verify_fit --configs ours_fused_liger trl_liger
+    python benchmarks/e2e_dpo.py --memory_fit 16384 --memory_snapshot   # what is alive at the peak
     python benchmarks/e2e_dpo.py --device cpu --tiny               # smoke test, < 1 min
 """
 
@@ -140,7 +142,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--memory_fit", type=int, nargs="+", default=None, metavar="LENGTH",
                    help="with gradient checkpointing: peak memory at these lengths (2 steps each), a "
                         "least-squares line through them, and the length where it reaches the GPU's memory "
-                        "(a prediction, labelled so; cheaper than --max_length_search at long lengths)")
+                        "(a prediction, labelled so; cheaper than --max_length_search at long lengths). It counts "
+                        "allocated bytes only, not the CUDA context or fragmentation: on the H200 the prediction "
+                        "97,686 did not fit, 94,208 did (docs/benchmarks.md); --verify_fit measures the boundary")
     p.add_argument("--fit_warmup_steps", type=int, default=1,
                    help="with --memory_fit: untimed steps before the one timed step of each probe (default 1; "
                         "2 keeps a step-2 recompile out of the timing)")
