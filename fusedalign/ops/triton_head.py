@@ -99,7 +99,7 @@ def row_blocks(n: int, v: int, opts: HeadOptions) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def _buffer_rows(blocks: list[tuple[int, int]], v: int, opts: HeadOptions) -> int:
+def _buffer_size(blocks: list[tuple[int, int]], v: int, opts: HeadOptions) -> int:
     """Elements of the largest chunk any block takes (its rows x its chunk's columns)."""
     return max((r1 - r0) * chunk_cols(r1 - r0, v, opts) for r0, r1 in blocks)
 
@@ -185,7 +185,7 @@ def _forward(hidden, weight, labels, bias, down, up, opts: HeadOptions):
     state = _new_state(n, opts, dev, lab)
     if n > 0:
         blocks = row_blocks(n, v, opts)
-        size = _buffer_rows(blocks, v, opts)
+        size = _buffer_size(blocks, v, opts)
         buf = torch.empty(size, dtype=hidden.dtype, device=dev)
         lbuf = None if down is None else torch.empty(size, dtype=down.dtype, device=dev)
         for r0, r1 in blocks:
@@ -267,9 +267,9 @@ def _backward(g, hidden, weight, labels, bias, down, up, lse2, opts: HeadOptions
         elif one:
             col_grads.append(zeros_if_empty(t.shape, dtype=t.dtype, device=dev))
         else:
-            col_grads.append(_acc_like(t, zeros=True))
+            col_grads.append(_acc_like(t))
     if n > 0:
-        size = _buffer_rows(blocks, v, opts)
+        size = _buffer_size(blocks, v, opts)
         buf = torch.empty(size, dtype=hidden.dtype, device=dev)
         lbuf = None if down is None else torch.empty(size, dtype=down.dtype, device=dev)
         for r0, r1 in blocks:
@@ -303,10 +303,9 @@ def _backward(g, hidden, weight, labels, bias, down, up, lse2, opts: HeadOptions
     return g_h, g_w, g_b, g_down, g_up
 
 
-def _acc_like(t: Tensor, zeros: bool = True) -> Tensor:
-    """An fp32 running sum for a half-precision tensor (t's own dtype otherwise)."""
-    dtype = torch.float32 if t.dtype in _HALF else t.dtype
-    return (torch.zeros if zeros else torch.empty)(t.shape, dtype=dtype, device=t.device)
+def _acc_like(t: Tensor) -> Tensor:
+    """A zeroed running sum: fp32 for a half-precision tensor, t's own dtype otherwise."""
+    return torch.zeros(t.shape, dtype=torch.float32 if t.dtype in _HALF else t.dtype, device=t.device)
 
 
 def _backward_block(buf, lbuf, hidden, weight, bias, down, up, lab, lse2, gs, col_grads, opts: HeadOptions, *,

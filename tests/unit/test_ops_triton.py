@@ -441,32 +441,8 @@ def patch_interpreter():
 def interpreter_checks():
     """Run in the subprocess above: a few small cases, fp32 and bf16, all outputs, chunked
     over the vocabulary only (row blocks: `interpreter_row_block_checks`)."""
-    patch_interpreter()
-    from fusedalign.ops import triton_head
-
-    triton_head.MIN_COLS = 1
-    for case in ("everything", "vocab_prime", "all_ignored", "random4"):
-        n, v, h, chunk, prob, opt = ALL_CASES[case]
-        p = make_problem(n, v, h, dtype=torch.float32, **prob)
-        opts = opts_of(**opt)
-        out, grads = run_interpreted(p, opts, chunk, stats=True)
-        check_parity(p, p, opts, out, grads, rtol=3e-6)
-        want_entropy, want_mean, want_match = expected_stats(p, opts, every_row=True)
-        assert rel_err(out.entropy, want_entropy) <= 1e-6, case
-        assert rel_err(out.logit_mean, want_mean) <= 1e-6, case
-        assert torch.equal(out.argmax_match, want_match), case
-
-    p = make_problem(48, 150, 32, dtype=torch.bfloat16, bias=True, rank=4, ignore_frac=0.2,
-                     logit_std=4.0, seed=7)
-    opts = opts_of(temperature=0.9, softcap=6.0, logit_scale=1.1, lr_scale=0.5)
-    truth, truth_grads, _ = run_oracle(p, opts)
-    naive, naive_grads, _ = run_oracle(p, opts, as_dtype=torch.bfloat16, upcast=torch.float32)
-    out, grads = run_interpreted(p, opts, chunk=9)
-    tol = 1e-3
-    assert fro_err(out.logps, truth) <= fro_err(naive, truth) + tol
-    for name, got, ref, nv in zip(GRAD_NAMES, grads, truth_grads, naive_grads):
-        assert got.dtype == torch.bfloat16, name
-        assert fro_err(got, ref) <= fro_err(nv, ref) + tol, name
+    _interpreted_parity(("everything", "vocab_prime", "all_ignored", "random4"), min_cols=1, bf16_min_cols=1,
+                        bf16_blocks=1)
     print("interpreter checks passed")
 
 
@@ -478,25 +454,35 @@ def test_interpreter_row_blocks_match_oracle():
 def interpreter_row_block_checks():
     """Run in a subprocess: the row-blocked path (forced by raising MIN_COLS), fp32 values,
     statistics and every gradient, and the bf16 criterion with grad_W summed over blocks."""
+    _interpreted_parity(("everything", "low_rank", "mixed_ignored", "random3"), min_cols=24, bf16_min_cols=64,
+                        bf16_blocks=3)
+    print("row block checks passed")
+
+
+def _interpreted_parity(cases, *, min_cols: int, bf16_min_cols: int, bf16_blocks: int) -> None:
+    """fp32 parity (values, statistics, every gradient) on `cases` with MIN_COLS = min_cols,
+    then the bf16 criterion on one problem taken in `bf16_blocks` row blocks."""
     patch_interpreter()
     from fusedalign.ops import triton_head
 
-    triton_head.MIN_COLS = 24
-    for case in ("everything", "low_rank", "mixed_ignored", "random3"):
+    triton_head.MIN_COLS = min_cols
+    for case in cases:
         n, v, h, chunk, prob, opt = ALL_CASES[case]
-        assert len(triton_head.row_blocks(n, v, HeadOptions(chunk_rows=chunk))) > 1, case
+        blocks = triton_head.row_blocks(n, v, HeadOptions(chunk_rows=resolve_chunk_rows(n, v, torch.device("cpu"), chunk)))
+        assert (len(blocks) > 1) == (min_cols > 1), case  # the path under test really runs
         p = make_problem(n, v, h, dtype=torch.float32, **prob)
         opts = opts_of(**opt)
         out, grads = run_interpreted(p, opts, chunk, stats=True)
         check_parity(p, p, opts, out, grads, rtol=3e-6)
         want_entropy, want_mean, want_match = expected_stats(p, opts, every_row=True)
         assert rel_err(out.entropy, want_entropy) <= 1e-6, case
+        assert rel_err(out.logit_mean, want_mean) <= 1e-6, case
         assert torch.equal(out.argmax_match, want_match), case
 
-    triton_head.MIN_COLS = 64
+    triton_head.MIN_COLS = bf16_min_cols
     p = make_problem(48, 150, 32, dtype=torch.bfloat16, bias=True, rank=4, ignore_frac=0.2,
                      logit_std=4.0, seed=7)
-    assert len(triton_head.row_blocks(48, 150, HeadOptions(chunk_rows=9))) == 3
+    assert len(triton_head.row_blocks(48, 150, HeadOptions(chunk_rows=9))) == bf16_blocks
     opts = opts_of(temperature=0.9, softcap=6.0, logit_scale=1.1, lr_scale=0.5)
     truth, truth_grads, _ = run_oracle(p, opts)
     naive, naive_grads, _ = run_oracle(p, opts, as_dtype=torch.bfloat16, upcast=torch.float32)
@@ -506,7 +492,6 @@ def interpreter_row_block_checks():
     for name, got, ref, nv in zip(GRAD_NAMES, grads, truth_grads, naive_grads):
         assert got.dtype == torch.bfloat16, name
         assert fro_err(got, ref) <= fro_err(nv, ref) + tol, name
-    print("row block checks passed")
 
 
 def run_interpreted(p, opts, chunk, stats=False):
