@@ -48,10 +48,10 @@ def main(argv=None) -> None:
 
     from fusedalign.ops import triton_kernels as K
     from fusedalign.ops.options import HeadOptions
-    from fusedalign.ops.triton_head import _new_state, _scalars
+    from fusedalign.ops.triton_launch import new_state, scalars
 
     opts = HeadOptions()
-    scalars = _scalars(opts)
+    kernel_scalars = scalars(opts)
     print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}; "
           f"bf16 logits, no softcap/bias/LoRA/statistics; median of {args.repeats}")
     for title, (n, c) in PROBLEMS.items():
@@ -60,7 +60,7 @@ def main(argv=None) -> None:
         x = x0.clone()
         labels = torch.randint(0, c, (n,), device="cuda", generator=gen).int()
         gs = torch.randn(n, device="cuda", generator=gen)
-        state = _new_state(n, opts, x.device, labels)
+        state = new_state(n, opts, x.device, labels)
         copy_ms = timed(lambda: x.copy_(x0), args.repeats)
         nbytes = x.numel() * x.element_size()
         print(f"\n### {title}: {nbytes / 2**20:.0f} MiB of bf16 logits; a copy (read + write) takes "
@@ -70,7 +70,7 @@ def main(argv=None) -> None:
         for br, bc, warps in FWD_SHAPES:
             def fwd():
                 K.fwd_chunk_kernel[(triton.cdiv(n, br),)](
-                    x0, c, x0, c, x0, labels, *state, n, 0, c, 1, *scalars,
+                    x0, c, x0, c, x0, labels, *state, n, 0, c, 1, *kernel_scalars,
                     HAS_BIAS=False, HAS_LORA=False, HAS_SOFTCAP=False, ENTROPY=False, MEAN=False, ARGMAX=False,
                     ACCURATE_TANH=True, BLOCK_R=br, BLOCK_C=bc, num_warps=warps)
             ms = timed(fwd, args.repeats)
@@ -80,7 +80,7 @@ def main(argv=None) -> None:
         for br, bc, warps in BWD_SHAPES:
             def bwd():
                 K.bwd_chunk_kernel[(triton.cdiv(n, br), triton.cdiv(c, bc))](
-                    x, c, x, c, x, labels, lse2, gs, labels, c, n, 0, c, *scalars,
+                    x, c, x, c, x, labels, lse2, gs, labels, c, n, 0, c, *kernel_scalars,
                     HAS_BIAS=False, HAS_LORA=False, HAS_SOFTCAP=False, BIAS_GRAD=False, LORA_GRAD=False,
                     ACCURATE_TANH=True, BLOCK_R=br, BLOCK_C=bc, num_warps=warps)
                 # x now holds a gradient; the next run overwrites it again (same work).

@@ -34,8 +34,6 @@ N x H one it replaces.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton  # noqa: F401  (ImportError here = backend unavailable, reported by the registry)
 from torch import Tensor
@@ -45,36 +43,26 @@ from fusedalign.ops.gemm import HALF as _HALF
 from fusedalign.ops.gemm import accumulate_mm, wide_mm
 from fusedalign.ops.options import HeadOptions, HeadOutput, LowRank
 from fusedalign.ops.registry import Backend, register_backend
+from fusedalign.ops.triton_launch import (
+    BWD_BIAS_CONFIG,
+    BWD_CONFIG,
+    FWD_CONFIG,
+    block_fwd_config,
+    finish,
+    fold,
+    kernels,
+    launch_shape,
+    new_state,
+    on_device,
+    scalars,
+)
 
-# Launch shapes (rows per program, columns per program/step, warps), measured on an H200
-# (docs/benchmarks.md): 256 columns per row keep each row's reductions inside one warp.
-# Module-level so a benchmark can sweep them; not part of the API.
-# `benchmarks/head_kernels.py` (H200, docs/benchmarks.md, session 3): the backward kernel
-# reaches 1.3 TB/s with 2 x 2048 tiles against 0.87-0.98 with 16 x 256, on a vocabulary chunk
-# and on a loss-aware block alike; the forward kernel keeps 16 x 256 on chunks, and takes
-# 1 x 4096 on a block (0.50 ms against 0.62 for 1 x 2048 and 1.8 for 16 x 256 on one
-# [3584, 151936] block), whose few thousand rows would otherwise leave SMs idle.
-FWD_CONFIG = (16, 256, 4)
-BWD_CONFIG = (2, 2048, 8)
-# With a bias gradient the backward writes one fp32 partial column sum per row tile: taller
-# tiles keep that buffer small (n / 32 x columns instead of n / 2), at about the same speed.
-BWD_BIAS_CONFIG = (32, 256, 8)
-# The loss-aware mode folds a block of a few thousand rows over all V columns at once.
-BLOCK_FWD_CONFIG = (1, 4096, 8)
 # Chunk widths are rounded down to a multiple of this (GEMM- and kernel-friendly).
 COL_ALIGN = 256
 # The narrowest vocabulary chunk the op accepts before it splits the tokens into row
 # blocks (module doc): at 1024 columns a chunk's GEMM does 1024 FLOP per byte of hidden
 # it reads, well above the H200's ~200 FLOP/byte balance point.
 MIN_COLS = 1024
-
-
-def _kernels():
-    # Imported on first use, not with this module, so that tests can choose
-    # TRITON_INTERPRET before the kernels are decorated.
-    from fusedalign.ops import triton_kernels
-
-    return triton_kernels
 
 
 def chunk_cols(n: int, v: int, opts: HeadOptions) -> int:
@@ -109,7 +97,7 @@ class _TritonHeadLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, bias, down, up, opts: HeadOptions):
-        with torch.autocast(hidden.device.type, enabled=False), _on(hidden):
+        with torch.autocast(hidden.device.type, enabled=False), on_device(hidden):
             logps, entropy, mean, match, lse2 = _forward(hidden, weight, labels, bias, down, up, opts)
         ctx.save_for_backward(hidden, weight, labels, bias, down, up, lse2)
         ctx.opts = opts
@@ -121,45 +109,12 @@ class _TritonHeadLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logps, _grad_entropy, _grad_mean, _grad_argmax):
         hidden, weight, labels, bias, down, up, lse2 = ctx.saved_tensors
         needs = ctx.needs_input_grad  # (hidden, weight, labels, bias, down, up, opts)
-        with torch.autocast(hidden.device.type, enabled=False), _on(hidden):
+        with torch.autocast(hidden.device.type, enabled=False), on_device(hidden):
             g_h, g_w, g_b, g_down, g_up = _backward(
                 grad_logps, hidden, weight, labels, bias, down, up, lse2, ctx.opts,
                 need=(needs[0], needs[1], needs[3], needs[4], needs[5]),
             )
         return g_h, g_w, None, g_b, g_down, g_up, None
-
-
-def _on(t: Tensor):
-    """Triton launches on the current CUDA device: make it the tensors' device."""
-    return torch.cuda.device(t.device) if t.is_cuda else _Nothing()
-
-
-class _Nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
-def _blocks(config: tuple[int, int, int], n: int, cols: int, cuda: bool) -> tuple[int, int, int]:
-    """Launch shape; under the CPU interpreter, shrunk to the (tiny) test problem."""
-    if cuda:
-        return config
-    # The interpreter pays per program and per op, not per element: few, large programs.
-    return min(64, triton.next_power_of_2(n)), min(1024, triton.next_power_of_2(cols)), config[2]
-
-
-_LOG2E = 1.0 / math.log(2.0)
-_LN2 = math.log(2.0)
-
-
-def _scalars(opts: HeadOptions) -> tuple[float, float, float, float, float]:
-    """(logit_scale, lora scale, softcap, k_u2, k_z2): the kernels work in base 2, with
-    y2 = u * k_u2 (no softcap; u = the logits before logit_scale) or z * k_z2."""
-    softcap = 1.0 if opts.softcap is None else opts.softcap
-    k_z2 = _LOG2E / opts.temperature
-    return opts.logit_scale, opts.low_rank_scale, softcap, opts.logit_scale * k_z2, k_z2
 
 
 def _chunk_logits(buf, lbuf, hidden, weight, down, up, c0, cl):
@@ -182,7 +137,7 @@ def _forward(hidden, weight, labels, bias, down, up, opts: HeadOptions):
     n, v, dev = hidden.shape[0], weight.shape[0], hidden.device
     valid = labels != opts.ignore_index
     lab = torch.where(valid, labels, -1).to(torch.int32)
-    state = _new_state(n, opts, dev, lab)
+    state = new_state(n, opts, dev, lab)
     if n > 0:
         blocks = row_blocks(n, v, opts)
         size = _buffer_size(blocks, v, opts)
@@ -192,54 +147,13 @@ def _forward(hidden, weight, labels, bias, down, up, opts: HeadOptions):
             h_b, d_b = hidden[r0:r1], None if down is None else down[r0:r1]
             s_b = tuple(t[r0:r1] for t in state)  # views: the kernel folds into the block's rows
             cols = chunk_cols(r1 - r0, v, opts)
-            config = _blocks(FWD_CONFIG, r1 - r0, cols, hidden.is_cuda)
+            config = launch_shape(FWD_CONFIG, r1 - r0, cols, hidden.is_cuda)
             for c0 in range(0, v, cols):
                 cl = min(cols, v - c0)
                 x, lx = _chunk_logits(buf, lbuf, h_b, weight, d_b, up, c0, cl)
-                _fold(x, lx if down is not None else None, bias, lab[r0:r1], s_b, c0, opts, config)
+                fold(x, lx if down is not None else None, bias, lab[r0:r1], s_b, c0, opts, config)
         del buf, lbuf
-    return _finish(state, valid, labels, v, opts)
-
-
-def _new_state(n: int, opts: HeadOptions, dev: torch.device, lab: Tensor) -> tuple[Tensor, ...]:
-    """Per-token running state of `fwd_chunk_kernel`: (m, s, tgt, w, zsum, zmax, amax);
-    statistics not asked for alias another buffer (the kernel never touches them)."""
-    f32 = torch.float32
-    m, s, tgt = (torch.zeros(n, dtype=f32, device=dev) for _ in range(3))
-    w = torch.zeros(n, dtype=f32, device=dev) if opts.entropy else m
-    zsum = torch.zeros(n, dtype=f32, device=dev) if opts.logit_mean else m
-    zmax = torch.zeros(n, dtype=f32, device=dev) if opts.argmax else m
-    amax = torch.zeros(n, dtype=torch.int32, device=dev) if opts.argmax else lab
-    return m, s, tgt, w, zsum, zmax, amax
-
-
-def _fold(x: Tensor, lx: Tensor | None, bias: Tensor | None, lab: Tensor, state, c0: int,
-          opts: HeadOptions, config: tuple[int, int, int]) -> None:
-    """Folds the chunk x = [n, C] (columns c0 .. c0 + C of the logits) into `state`."""
-    n, cl = x.shape
-    br, bc, warps = config
-    _kernels().fwd_chunk_kernel[(triton.cdiv(n, br),)](
-        x, x.stride(0), x if lx is None else lx, cl if lx is None else lx.stride(0),
-        x if bias is None else bias, lab, *state,
-        n, c0, cl, int(c0 == 0), *_scalars(opts),
-        HAS_BIAS=bias is not None, HAS_LORA=lx is not None,
-        HAS_SOFTCAP=opts.softcap is not None, ENTROPY=opts.entropy,
-        MEAN=opts.logit_mean, ARGMAX=opts.argmax, ACCURATE_TANH=x.is_cuda,
-        BLOCK_R=br, BLOCK_C=bc, num_warps=warps,
-    )
-
-
-def _finish(state, valid: Tensor, labels: Tensor, v: int, opts: HeadOptions):
-    """(logps, entropy, logit_mean, argmax_match, lse2) from the folded state."""
-    m, s, tgt, w, zsum, _zmax, amax = state
-    # The state is in base 2: y2 = y log2 e. Back to natural log-probs at the end.
-    log2_s = torch.log2(s)
-    lse2 = m + log2_s
-    logps = torch.where(valid, (tgt - lse2) * _LN2, 0.0)
-    entropy = (log2_s - w / s) * _LN2 if opts.entropy else None
-    mean = zsum / v if opts.logit_mean else None
-    match = (amax.long() == labels) & valid if opts.argmax else None
-    return logps, entropy, mean, match, lse2
+    return finish(state, valid, labels, v, opts)
 
 
 def _backward(g, hidden, weight, labels, bias, down, up, lse2, opts: HeadOptions, *, need):
@@ -317,18 +231,18 @@ def _backward_block(buf, lbuf, hidden, weight, bias, down, up, lab, lse2, gs, co
     n, v = hidden.shape[0], weight.shape[0]
     acc_h = _acc_like(hidden) if need_h else None
     acc_down = _acc_like(down) if need_down else None
-    kernel = _kernels().bwd_chunk_kernel
+    kernel = kernels().bwd_chunk_kernel
     cols = chunk_cols(n, v, opts)
-    br, bc, warps = _blocks(BWD_BIAS_CONFIG if need_b else BWD_CONFIG, n, cols, hidden.is_cuda)
+    br, bc, warps = launch_shape(BWD_BIAS_CONFIG if need_b else BWD_CONFIG, n, cols, hidden.is_cuda)
     row_tiles = triton.cdiv(n, br)
     dbias = torch.empty(row_tiles, cols, dtype=torch.float32, device=hidden.device) if need_b else lab
-    scalars = _scalars(opts)
+    kernel_scalars = scalars(opts)
     for c0 in range(0, v, cols):
         cl = min(cols, v - c0)
         x, lx = _chunk_logits(buf, lbuf, hidden, weight, down, up, c0, cl)
         kernel[(row_tiles, triton.cdiv(cl, bc))](
             x, cl, lx, cl, x if bias is None else bias, lab, lse2, gs, dbias, cols,
-            n, c0, cl, *scalars,
+            n, c0, cl, *kernel_scalars,
             HAS_BIAS=bias is not None, HAS_LORA=down is not None,
             HAS_SOFTCAP=opts.softcap is not None, BIAS_GRAD=need_b,
             LORA_GRAD=need_down or need_up, ACCURATE_TANH=hidden.is_cuda,
@@ -373,14 +287,14 @@ class TritonBlocks:
     @staticmethod
     def forward(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None, opts: HeadOptions):
         """Returns (state, logps, entropy, logit_mean, argmax_match, lse2) of the block's rows."""
-        with _on(hidden):
+        with on_device(hidden):
             n, v = hidden.shape[0], weight.shape[0]
             valid = labels != opts.ignore_index
             lab = torch.where(valid, labels, -1).to(torch.int32)
             x = torch.mm(hidden, weight.t())  # [R, H] @ [H, V]
-            state = _new_state(n, opts, hidden.device, lab)
-            _fold(x, None, bias, lab, state, 0, opts, _block_fwd_config(n, v, x.is_cuda))
-            logps, entropy, mean, match, lse2 = _finish(state, valid, labels, v, opts)
+            state = new_state(n, opts, hidden.device, lab)
+            fold(x, None, bias, lab, state, 0, opts, block_fwd_config(n, v, x.is_cuda))
+            logps, entropy, mean, match, lse2 = finish(state, valid, labels, v, opts)
         return (x, lab, bias), logps, entropy, mean, match, lse2
 
     @staticmethod
@@ -389,26 +303,18 @@ class TritonBlocks:
         dtype), and its column sums in fp32 for the bias when `need_bias`."""
         x, lab, bias = state  # x holds h W^T; the kernels add the bias themselves
         n, v = x.shape
-        with _on(x):
+        with on_device(x):
             gs = torch.where(lab >= 0, coef.float(), 0.0) * (opts.logit_scale / opts.temperature)
-            br, bc, warps = _blocks(BWD_BIAS_CONFIG if need_bias else BWD_CONFIG, n, v, x.is_cuda)
+            br, bc, warps = launch_shape(BWD_BIAS_CONFIG if need_bias else BWD_CONFIG, n, v, x.is_cuda)
             row_blocks = triton.cdiv(n, br)
             dbias = torch.empty(row_blocks, v, dtype=torch.float32, device=x.device) if need_bias else lab
-            _kernels().bwd_chunk_kernel[(row_blocks, triton.cdiv(v, bc))](
+            kernels().bwd_chunk_kernel[(row_blocks, triton.cdiv(v, bc))](
                 x, v, x, v, x if bias is None else bias, lab, lse2, gs, dbias, v,
-                n, 0, v, *_scalars(opts),
+                n, 0, v, *scalars(opts),
                 HAS_BIAS=bias is not None, HAS_LORA=False, HAS_SOFTCAP=opts.softcap is not None, BIAS_GRAD=need_bias,
                 LORA_GRAD=False, ACCURATE_TANH=x.is_cuda, BLOCK_R=br, BLOCK_C=bc, num_warps=warps,
             )
         return x, (dbias.sum(dim=0) if need_bias else None)
-
-
-def _block_fwd_config(n: int, v: int, cuda: bool) -> tuple[int, int, int]:
-    """A block has few rows and all V columns: fewer rows per program keep the SMs busy."""
-    if not cuda:
-        return _blocks(FWD_CONFIG, n, v, cuda)
-    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    return FWD_CONFIG if triton.cdiv(n, FWD_CONFIG[0]) >= 4 * sms else BLOCK_FWD_CONFIG
 
 
 def triton_head_logprobs(

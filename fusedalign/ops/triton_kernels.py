@@ -13,7 +13,7 @@ a single pass over a chunk `L = [N, C]` of raw logits `h W[c0:c0+C]^T` (input dt
   only with a softcap), optionally also in the LoRA buffer's dtype, and writes partial
   column sums of G for the bias gradient.
 
-Imported lazily (by `triton_head.py`) so that a machine without Triton never imports it.
+Imported lazily (by `triton_launch.py`) so that a machine without Triton never imports it.
 Under TRITON_INTERPRET=1 the same kernels run on CPU tensors (tests); libdevice is then
 unavailable, so tanh is computed from exp (`ACCURATE_TANH=False`).
 """
