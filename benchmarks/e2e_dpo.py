@@ -444,7 +444,8 @@ def summarise_profile(prof, step_s: float) -> dict:
     busy = sum(ms for _, ms, _ in kernels)
     kinds: dict[str, float] = {}
     for name, ms, _ in kernels:
-        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + ms
+        kind = kernel_kind(name)
+        kinds[kind] = kinds.get(kind, 0.0) + ms
     return {"step_ms": step_s * 1e3, "gpu_busy_ms": busy,
             "by_kind": {k: round(v, 3) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
             "top": [{"kernel": k[:110], "ms": round(ms, 3), "calls": c} for k, ms, c in kernels[:40]]}
@@ -616,10 +617,7 @@ def run_worker(args: argparse.Namespace) -> int:
         traceback.print_exc()
     write()
     log(json.dumps({k: v for k, v in result.items() if k not in ("logs", "step_times", "profile", "memory")}))
-    if result.get("memory"):
-        from benchmarks.memory_peak import format_breakdown
-
-        log(f"memory at the peak of one extra step ({config}, length {length}):\n" + format_breakdown(result["memory"]))
+    log_memory(config, length, result)
     if result.get("profile"):
         prof = result["profile"]
         log(f"profile of one step: {prof['step_ms']:.1f} ms wall, GPU kernels {prof['gpu_busy_ms']:.1f} ms")
@@ -634,8 +632,9 @@ def run_worker(args: argparse.Namespace) -> int:
 def launch(args: argparse.Namespace, config: str, length: int, tag: str, **steps) -> dict:
     result_path = os.path.join(args.log_dir, f"{tag}.json")
     log_path = os.path.join(args.log_dir, f"{tag}.log")
-    if args.memory_snapshot and snapshot_unsupported(args, config):
-        log(f"  ({config}: no memory snapshot: {snapshot_unsupported(args, config)})")
+    why_not = snapshot_unsupported(args, config) if args.memory_snapshot else None
+    if why_not:
+        log(f"  ({config}: no memory snapshot: {why_not})")
     if os.path.exists(result_path):
         os.remove(result_path)
     env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", TQDM_DISABLE="1",
@@ -943,7 +942,7 @@ def memory_fit(args, skipped) -> dict:
         else:
             entry["status"] = "incomplete"
         out[config] = entry
-    log(f"\n| config | peak GiB at " + ", ".join(str(x) for x in args.memory_fit)
+    log("\n| config | peak GiB at " + ", ".join(str(x) for x in args.memory_fit)
         + " | GiB per 1k tokens of length | predicted longest length | checked |\n|---|---|---:|---:|---|")
     for config, e in out.items():
         if e["status"] == "skipped":
