@@ -18,8 +18,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
+from pathlib import Path
 
-import torch
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # this working tree's fusedalign, however it is installed
+
+import torch  # noqa: E402
 
 FWD_SHAPES = [(16, 256, 4), (4, 512, 4), (2, 1024, 4), (1, 2048, 8), (1, 4096, 8), (2, 2048, 8), (1, 1024, 4)]
 BWD_SHAPES = [(16, 256, 4), (32, 256, 8), (2, 2048, 8), (1, 4096, 8), (4, 2048, 8), (2, 4096, 16), (1, 2048, 4)]

@@ -27,13 +27,19 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Callable
 
-import torch
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # this working tree's fusedalign, however it is installed
 
-from fusedalign.ops import head_logprobs, known_backends
-from fusedalign.ops.registry import resolve_backend
+import torch  # noqa: E402
+
+from fusedalign.ops import head_logprobs, known_backends  # noqa: E402
+from fusedalign.ops.registry import resolve_backend  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 PEERS = ("liger", "cce")
