@@ -14,7 +14,7 @@ from typing import NamedTuple
 from torch import Tensor
 
 from . import dpo_anchored, dpo_margin
-from ._dpo_common import DPOOptions, PairLogps
+from .dpo_types import DPOOptions, PairLogps
 
 DPOVariant = Callable[[PairLogps, DPOOptions], Tensor]
 

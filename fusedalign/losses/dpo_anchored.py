@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._dpo_common import DPOOptions, PairLogps, lengths_of
+from .dpo_types import DPOOptions, PairLogps, lengths_of
 
 
 def nca_pair(p: PairLogps, o: DPOOptions) -> Tensor:

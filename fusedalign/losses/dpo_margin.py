@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._dpo_common import DPOOptions, PairLogps, lengths_of
+from .dpo_types import DPOOptions, PairLogps, lengths_of
 
 
 def _smoothed_logistic(z: Tensor, eps: float) -> Tensor:

@@ -13,30 +13,17 @@ global batch is split across gradient-accumulation steps and ranks.
 
 from __future__ import annotations
 
-import json
-import os
 from collections import defaultdict
 from typing import Any
 
 import torch
 from torch import nn
-from transformers import Trainer, TrainerCallback
+from transformers import Trainer
 
 from fusedalign.head import TokenLogProbs, token_logprobs
+from fusedalign.trainers.callbacks import MetricsJSONLCallback
 
 Metrics = dict[str, tuple[torch.Tensor, torch.Tensor]]  # name -> (sum, count): scalars or per-example [B]
-
-
-class MetricsJSONLCallback(TrainerCallback):
-    """Appends every logged dict, with its step, to `<output_dir>/metrics.jsonl`."""
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if not state.is_world_process_zero or not logs:
-            return
-        os.makedirs(args.output_dir, exist_ok=True)
-        record = {"step": state.global_step, "epoch": state.epoch, **logs}
-        with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
-            f.write(json.dumps(record, default=float) + "\n")
 
 
 def disable_dropout(model: nn.Module) -> None:

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from transformers.utils import logging
 
-from fusedalign.kernels import apply_liger_kernels, compile_decoder_layers
+from fusedalign.backbone import apply_liger_kernels, compile_decoder_layers
 from fusedalign.models import load_model, load_tokenizer
 from fusedalign.trainers.base import disable_dropout
 

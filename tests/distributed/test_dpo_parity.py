@@ -36,7 +36,7 @@ _common = [
     ({**DPO, "name": "fused", "fused": True, "per_device_batch": 2, "evaluate": True}, "qwen2"),
     ({**DPO, "name": "unfused", "fused": False, "per_device_batch": 2, "evaluate": True}, "qwen2"),
 ]
-# torch.compile'd decoder layers (refused under ZeRO-3, see test_kernels.py).
+# torch.compile'd decoder layers (refused under ZeRO-3, see test_backbone.py).
 _compiled = ({**DPO, "name": "compiled", "fused": True, "per_device_batch": 2, "compile": True}, "qwen2")
 SCENARIOS: dict[str, list[tuple[dict, str]]] = {
     "ddp": _common + [_compiled],

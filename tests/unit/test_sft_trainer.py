@@ -14,7 +14,8 @@ from fusedalign.configs import SFTConfig
 from fusedalign.data import DataError, SFTCollator, load_dataset_any
 from fusedalign.head import IGNORE_INDEX, logprobs_from_logits, token_logprobs
 from fusedalign.models import load_model
-from fusedalign.trainers.sft import PackedAttentionError, SFTTrainer
+from fusedalign.attention import PackedAttentionError
+from fusedalign.trainers.sft import SFTTrainer
 
 LM = "standard_language_modeling"
 

@@ -1,24 +1,17 @@
-"""Which distributed backend is running, and the set-up each one needs.
-
-This is the only module that knows about backends. Trainers ask it two things: to set
-up the process before any model is built (`setup_distributed`), and to make a frozen
-reference model usable under the running backend (`prepare_reference_model`).
-Everything else — the fused head included — works unchanged on every backend because
-it runs inside ordinary module calls.
-"""
+"""Which distributed backend is running, and the process set-up each one needs."""
 
 from __future__ import annotations
 
-import copy
 import enum
 import os
 from typing import Any
 
 import torch
-from torch import nn
 
 
-class Backend(str, enum.Enum):
+class DistributedBackend(str, enum.Enum):
+    """The training backend a process runs under (what `accelerate launch` asked for)."""
+
     SINGLE = "single"
     DDP = "ddp"
     ZERO2 = "zero2"  # also stages 0 and 1: parameters are whole on every rank
@@ -35,13 +28,13 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def backend_from_env() -> Backend:
+def backend_from_env() -> DistributedBackend:
     """The backend `accelerate launch` asked for, read from its environment."""
     if _env_true("ACCELERATE_USE_DEEPSPEED"):
-        return Backend.ZERO3 if _deepspeed_stage_from_env() == 3 else Backend.ZERO2
+        return DistributedBackend.ZERO3 if _deepspeed_stage_from_env() == 3 else DistributedBackend.ZERO2
     if _env_true("ACCELERATE_USE_FSDP"):
-        return Backend.FSDP2 if os.environ.get("FSDP_VERSION", "1") == "2" else Backend.FSDP1
-    return Backend.DDP if world_size_from_env() > 1 else Backend.SINGLE
+        return DistributedBackend.FSDP2 if os.environ.get("FSDP_VERSION", "1") == "2" else DistributedBackend.FSDP1
+    return DistributedBackend.DDP if world_size_from_env() > 1 else DistributedBackend.SINGLE
 
 
 def _deepspeed_stage_from_env() -> int:
@@ -62,7 +55,7 @@ def use_cpu() -> bool:
     return _env_true("ACCELERATE_USE_CPU") or not torch.cuda.is_available()
 
 
-def setup_distributed() -> Backend:
+def setup_distributed() -> DistributedBackend:
     """Prepares the process for its backend. Call before building arguments or models.
 
     DeepSpeed on CPU: `accelerate launch` starts the processes but nothing initialises
@@ -71,12 +64,12 @@ def setup_distributed() -> Backend:
     partitions nothing, so we initialise it over gloo here, before any model exists.
     """
     backend = backend_from_env()
-    if backend is Backend.FSDP1:
+    if backend is DistributedBackend.FSDP1:
         raise ValueError(
             "fusedalign supports FSDP version 2 (fully_shard); the accelerate config asks for FSDP "
             "version 1. Set `fsdp_version: 2` in its fsdp_config (see configs/accelerate/fsdp2.yaml)."
         )
-    if backend in (Backend.ZERO2, Backend.ZERO3) and use_cpu() and world_size_from_env() > 1:
+    if backend in (DistributedBackend.ZERO2, DistributedBackend.ZERO3) and use_cpu() and world_size_from_env() > 1:
         import deepspeed
 
         if not deepspeed.comm.is_initialized():
@@ -96,7 +89,7 @@ def configure_cpu_arguments(args: Any) -> None:
     if torch.cuda.is_available():
         return
     backend = backend_from_env()
-    if backend in (Backend.ZERO2, Backend.ZERO3) and world_size_from_env() > 1:
+    if backend in (DistributedBackend.ZERO2, DistributedBackend.ZERO3) and world_size_from_env() > 1:
         args.use_cpu = False
         args.ddp_backend = "gloo"
         os.environ["ACCELERATE_USE_CPU"] = "false"
@@ -112,7 +105,7 @@ def finish_cpu_setup(args: Any) -> None:
     while claiming FSDP. Marking the (shared) process state as multi-device makes the
     Accelerator pick FSDP; the device stays the CPU and the process group gloo.
     """
-    if torch.cuda.is_available() or backend_from_env() is not Backend.FSDP2 or world_size_from_env() < 2:
+    if torch.cuda.is_available() or backend_from_env() is not DistributedBackend.FSDP2 or world_size_from_env() < 2:
         return
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType
@@ -131,67 +124,6 @@ def is_zero3(accelerator: Any) -> bool:
 def is_fsdp2(accelerator: Any) -> bool:
     plugin = getattr(accelerator.state, "fsdp_plugin", None)
     return plugin is not None and getattr(plugin, "fsdp_version", 1) == 2
-
-
-def prepare_reference_model(model: nn.Module, accelerator: Any) -> nn.Module:
-    """Makes a frozen reference model callable under the running backend.
-
-    - ZeRO-3: the model was loaded partitioned (zero.Init); a DeepSpeed inference engine
-      registers the hooks that gather each module's parameters for its forward.
-    - FSDP2: shard it like the policy, so each rank holds 1/world of it.
-    - DDP, ZeRO-2, single: a whole frozen copy on the device; no gradients, no wrapper.
-    """
-    model.eval()
-    for p in model.parameters():
-        p.requires_grad_(False)
-    if is_zero3(accelerator):
-        return _deepspeed_inference_engine(model, accelerator)
-    if is_fsdp2(accelerator):
-        return accelerator.prepare_model(model, evaluation_mode=True)
-    return model.to(accelerator.device)
-
-
-def _deepspeed_inference_engine(model: nn.Module, accelerator: Any) -> nn.Module:
-    import deepspeed
-
-    config = copy.deepcopy(accelerator.state.deepspeed_plugin.deepspeed_config)
-    hidden = getattr(getattr(model, "config", None), "hidden_size", None)
-    zero = config.setdefault("zero_optimization", {})
-    # Values left "auto" for the policy are finalised by transformers at train time;
-    # the reference never goes through that, so fill them the same way here.
-    if hidden is not None:
-        defaults = {
-            "reduce_bucket_size": hidden * hidden,
-            "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
-            "stage3_param_persistence_threshold": 10 * hidden,
-        }
-        for key, value in defaults.items():
-            if zero.get(key) == "auto":
-                zero[key] = value
-    for key in list(config):
-        if config[key] == "auto":
-            del config[key]
-    config.pop("optimizer", None)
-    config.pop("scheduler", None)
-    config["train_micro_batch_size_per_gpu"] = config.get("train_micro_batch_size_per_gpu", 1)
-    config.pop("train_batch_size", None)
-    engine, *_ = deepspeed.initialize(model=model, config=config)
-    engine.eval()
-    return engine
-
-
-def prepare_final_save(trainer: Any) -> None:
-    """Makes `trainer.save_model` write one whole safetensors model on every backend.
-
-    ZeRO-3 consolidates through `zero3_save_16bit_model` (set in our configs, and here);
-    FSDP2 saves sharded checkpoints during training but a full state dict at the end.
-    """
-    accelerator = trainer.accelerator
-    if is_fsdp2(accelerator):
-        accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
-    if is_zero3(accelerator):
-        zero = accelerator.state.deepspeed_plugin.deepspeed_config.setdefault("zero_optimization", {})
-        zero["stage3_gather_16bit_weights_on_model_save"] = True
 
 
 def teardown_distributed() -> None:

@@ -1,0 +1,28 @@
+"""The only package that knows which distributed backend is running.
+
+Trainers ask it to set up the process before any model is built (`setup_distributed`),
+to make a frozen reference model usable under the running backend
+(`prepare_reference_model`), and to save one whole model at the end
+(`prepare_final_save`). Everything else — the fused head included — works unchanged on
+every backend because it runs inside ordinary module calls.
+"""
+
+from fusedalign.distributed.backend import (
+    DistributedBackend,
+    backend_from_env,
+    configure_cpu_arguments,
+    finish_cpu_setup,
+    is_fsdp2,
+    is_zero3,
+    setup_distributed,
+    teardown_distributed,
+    use_cpu,
+    world_size_from_env,
+)
+from fusedalign.distributed.models import prepare_final_save, prepare_reference_model
+
+__all__ = [
+    "DistributedBackend", "backend_from_env", "configure_cpu_arguments", "finish_cpu_setup", "is_fsdp2", "is_zero3",
+    "prepare_final_save", "prepare_reference_model", "setup_distributed", "teardown_distributed", "use_cpu",
+    "world_size_from_env",
+]
