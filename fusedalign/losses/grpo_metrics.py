@@ -1,0 +1,122 @@
+"""GRPO's metrics as typed statistics: the names TRL 1.16 logs, each with its reduction.
+
+Every value is per example (`[B]`: sums and counts of each completion), so they reduce
+exactly over micro-batches, ranks and a logging window, and evaluation can drop the rows
+accelerate repeats. Where TRL averages per-micro-batch values over the window (its token
+means, the min/max of clip ratios, reward means per generation batch), these are the
+statistics of the whole window: the same numbers when every micro-batch holds the same
+number of tokens, and the exact window value otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+from torch import Tensor
+
+from fusedalign.metrics import Max, Mean, MetricSet, Min, Stat, Std
+
+
+def token_mean(x: Tensor, mask: Tensor) -> Mean:
+    """Mean over the masked tokens of `x` [B, T]; `x` [B, 1] (one value per sequence) counts each row once."""
+    x = x.detach().double()
+    if x.shape[-1] == 1:
+        return Mean(x[:, 0], torch.ones_like(x[:, 0]))
+    m = mask.double()
+    return Mean((x * m).sum(-1), m.sum(-1))
+
+
+def sequence_means(x: Tensor, mask: Tensor) -> Tensor:
+    """[B] masked mean of `x` per sequence (NaN for a row with no token); `x` [B, 1] is taken as is."""
+    x = x.detach().double()
+    if x.shape[-1] == 1:
+        return x[:, 0]
+    m = mask.double()
+    return (x * m).sum(-1) / m.sum(-1)
+
+
+def _optional(name: str):
+    return field(default=None, metadata={"name": name})
+
+
+@dataclass(frozen=True)
+class GRPOLossMetrics(MetricSet):
+    """What TRL logs from the loss. Fields a loss type does not define are None."""
+
+    kl: Mean | None = _optional("kl")
+    entropy: Mean | None = _optional("entropy")
+    low_mean: Mean | None = _optional("clip_ratio/low_mean")
+    low_min: Min | None = _optional("clip_ratio/low_min")
+    high_mean: Mean | None = _optional("clip_ratio/high_mean")
+    high_max: Max | None = _optional("clip_ratio/high_max")
+    region_mean: Mean | None = _optional("clip_ratio/region_mean")
+    cispo_clip_ratio: Mean | None = _optional("cispo_clip_ratio")
+    vespo_phi_seq_mean: Mean | None = _optional("vespo/phi_seq_mean")
+
+
+def clip_statistics(capped: Tensor, advantages: Tensor, mask: Tensor, low: float, high: float) -> dict:
+    """TRL's clip ratios of the PPO-clip family, from the (delta-capped) ratio.
+
+    Args:
+        capped: [B, T] or [B, 1], r after the two-sided cap (TRL tests the capped ratio).
+        advantages: [B, 1].
+        mask: [B, T].
+        low, high: 1 - eps_low and 1 + eps_high.
+    """
+    low_clip = ((capped < low) & (advantages < 0)).float()
+    high_clip = ((capped > high) & (advantages > 0)).float()
+    region = torch.maximum(low_clip, high_clip)
+    low_seq, high_seq = sequence_means(low_clip, mask), sequence_means(high_clip, mask)
+    return {
+        "low_mean": token_mean(low_clip, mask),
+        "high_mean": token_mean(high_clip, mask),
+        "region_mean": token_mean(region, mask),
+        # Rows with no token have no ratio: +inf / -inf mark "nothing here" (TRL: nanmin/nanmax).
+        "low_min": Min(torch.nan_to_num(low_seq, nan=float("inf"))),
+        "high_max": Max(torch.nan_to_num(high_seq, nan=float("-inf"))),
+    }
+
+
+@dataclass(frozen=True)
+class RewardMetrics(MetricSet):
+    """Rewards of the completions on this rank (record each rank's own rows, never the gathered batch).
+
+    Build with `RewardMetrics.of`. Logged: `reward`, `reward_std`, `frac_reward_zero_std`, and
+    `rewards/<function>/mean` and `/std` for each reward function (NaN rewards excluded).
+    """
+
+    reward: Mean
+    reward_std: Std
+    frac_reward_zero_std: Mean
+    per_function: tuple[tuple[str, Mean, Std], ...] = ()
+
+    @classmethod
+    def of(cls, rewards_per_func: Tensor, rewards: Tensor, std_is_zero: Tensor, names: list[str]) -> "RewardMetrics":
+        """From this rank's rows of a generation batch.
+
+        Args:
+            rewards_per_func: [n, K] float, NaN where a function returned None.
+            rewards: [n] weighted sums (`Advantages.rewards`), NaN where none scored.
+            std_is_zero: [n] bool (`Advantages.std_is_zero`).
+            names: the K reward functions' names.
+        """
+        funcs = []
+        for k, name in enumerate(names):
+            col = rewards_per_func[:, k].detach().double()
+            ok = ~torch.isnan(col)
+            funcs.append((name, Mean(torch.where(ok, col, 0.0), ok.double()), Std.of(torch.where(ok, col, 0.0), ok)))
+        r = rewards.detach().double()
+        ok = ~torch.isnan(r)
+        safe = torch.where(ok, r, 0.0)
+        zero = std_is_zero.double()
+        return cls(Mean(safe, ok.double()), Std.of(safe, ok), Mean(zero, torch.ones_like(zero)), tuple(funcs))
+
+    def stats(self) -> Iterator[tuple[str, Stat]]:
+        yield "reward", self.reward
+        yield "reward_std", self.reward_std
+        yield "frac_reward_zero_std", self.frac_reward_zero_std
+        for name, mean, std in self.per_function:
+            yield f"rewards/{name}/mean", mean
+            yield f"rewards/{name}/std", std
