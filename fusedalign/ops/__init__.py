@@ -5,6 +5,7 @@ docs/internals.md for the contract.
 """
 
 from fusedalign.ops.api import head_logprobs, reference_head_logprobs
+from fusedalign.ops.blocks import BlockForward, BlockMath
 from fusedalign.ops.loss_aware import DeclaredLossMismatch
 from fusedalign.ops.options import HeadOptions, HeadOutput, LowRank, SequenceLoss
 from fusedalign.ops.registry import (
@@ -17,6 +18,8 @@ from fusedalign.ops.registry import (
 __all__ = [
     "Backend",
     "BackendUnavailableError",
+    "BlockForward",
+    "BlockMath",
     "DeclaredLossMismatch",
     "HeadOptions",
     "HeadOutput",

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from fusedalign.ops.blocks import BlockForward, BlockMath
 from fusedalign.ops.gemm import wide_mm
 from fusedalign.ops.options import HeadOptions, HeadOutput, LowRank, compute_dtype
 from fusedalign.ops.registry import Backend, register_backend
@@ -207,12 +208,12 @@ def _backward(g, hidden, weight, labels, bias, down, up, lse, opts: HeadOptions,
     return g_h, cast(g_w, weight), cast(g_b, bias), g_down, cast(g_up, up)
 
 
-class TorchBlocks:
-    """This backend's block math for the loss-aware mode (`ops/loss_aware.py`).
+class TorchBlocks(BlockMath):
+    """This backend's block math for the loss-aware mode (`ops/blocks.py`, `ops/loss_aware.py`).
 
     A block's state is y = z / T in the compute dtype [R, V] (and tanh(a / softcap) with a
-    softcap), so its memory is 4 bytes per logit (8 with a softcap), plus the gradient's
-    copy in the input dtype.
+    softcap) plus the logsumexp of y [R], so its memory is 4 bytes per logit (8 with a
+    softcap), plus the gradient's copy in the input dtype.
     """
 
     @staticmethod
@@ -221,20 +222,20 @@ class TorchBlocks:
         return cdt * (2 if opts.softcap is not None else 1) + (dtype.itemsize if dtype.itemsize < cdt else 0)
 
     @staticmethod
-    def forward(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None, opts: HeadOptions):
-        """One GEMM for the block's rows, then its statistics; returns (state, logps, entropy,
-        logit_mean, argmax_match, lse), the state kept for `gradient`."""
+    def forward(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None,
+                opts: HeadOptions) -> BlockForward:
+        """One GEMM for the block's rows, then its statistics (`BlockMath.forward`)."""
         cdt = compute_dtype(hidden.dtype)
         y, t = _softmax_input(_scaled_logits(hidden, weight, bias, None, None, opts, cdt), opts)  # [R, V]
         valid = labels != opts.ignore_index
         logps, lse, entropy, mean, match = _chunk_forward(y, labels.masked_fill(~valid, 0), valid, opts)
-        return (y, t, hidden.dtype), logps, entropy, mean, match, lse
+        return BlockForward((y, t, lse, hidden.dtype), logps, entropy, mean, match)
 
     @staticmethod
-    def gradient(state, labels: Tensor, lse: Tensor, coef: Tensor, opts: HeadOptions, need_bias: bool):
-        """G = d(sum_i coef_i logp_i) / d(raw logits) in the input dtype [R, V] (over the state),
-        and its column sums in fp32 for the bias when `need_bias`."""
-        y, t, dtype = state
+    def gradient(state, labels: Tensor, coef: Tensor, opts: HeadOptions,
+                 need_bias: bool) -> tuple[Tensor, Tensor | None]:
+        """G over the state's y, returned in the input dtype (`BlockMath.gradient`)."""
+        y, t, lse, dtype = state
         valid = labels != opts.ignore_index
         gs = torch.where(valid, coef.to(y.dtype), 0.0) * (opts.logit_scale / opts.temperature)
         G = _chunk_gradient(y, t, lse, gs, labels.masked_fill(~valid, 0))

@@ -29,12 +29,13 @@ backward instead would stall the device while the host queues the rest of it (me
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from fusedalign.ops.blocks import BlockMath
 from fusedalign.ops.gemm import accumulate_mm, wide_mm
 from fusedalign.ops.options import (
     BLOCK_TARGET_ROWS,
@@ -72,7 +73,7 @@ class _Plan(NamedTuple):
 
     blocks: list[Tensor]  # row indices of each block, [R_b] long
     loss: SequenceLoss
-    math: Any  # the backend's block math (e.g. chunked.TorchBlocks)
+    math: BlockMath  # the backend's block math (e.g. chunked.TorchBlocks)
 
 
 def plan_blocks(
@@ -128,7 +129,7 @@ def check_sequence_loss(loss: SequenceLoss, n: int, device: torch.device) -> Non
 
 
 def loss_aware_head_logprobs(
-    math: Any, hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None,
+    math: BlockMath, hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None,
     loss: SequenceLoss, opts: HeadOptions, name: str, budget_bytes: int | None,
 ) -> HeadOutput | None:
     """The loss-aware op on scored rows only (api.py drops the ignored ones), or None when
@@ -187,8 +188,9 @@ def _forward(hidden, weight, labels, bias, plan: _Plan, opts: HeadOptions, need)
 
     for rows in plan.blocks:
         h_b, lab_b, seg_b = hidden.index_select(0, rows), labels.index_select(0, rows), plan.loss.segments.index_select(0, rows)
-        state, lp, ent, mu, am, lse_b = plan.math.forward(h_b, weight, lab_b, bias, opts)
-        for dst, val in ((logps, lp), (entropy, ent), (mean, mu), (match, am)):
+        fwd = plan.math.forward(h_b, weight, lab_b, bias, opts)
+        lp = fwd.logps
+        for dst, val in ((logps, lp), (entropy, fwd.entropy), (mean, fwd.logit_mean), (match, fwd.argmax_match)):
             if dst is not None:
                 dst.index_copy_(0, rows, val.to(dst.dtype))
         # The block's sequences are complete: fp64 sums, so that the caller's own sum of
@@ -198,8 +200,8 @@ def _forward(hidden, weight, labels, bias, plan: _Plan, opts: HeadOptions, need)
             dl_ds = plan.loss.grad(sums.to(cdt))
         coef_b = dl_ds.detach().to(cdt).index_select(0, seg_b)  # [R]
         coef.index_copy_(0, rows, coef_b)
-        G, db = plan.math.gradient(state, lab_b, lse_b, coef_b, opts, need_b)  # [R, V], input dtype
-        del state
+        G, db = plan.math.gradient(fwd.state, lab_b, coef_b, opts, need_b)  # [R, V], input dtype
+        del fwd
         if need_h:
             g_h.index_copy_(0, rows, wide_mm(G, weight, cdt))  # [R, V] @ [V, H]
         if need_w:

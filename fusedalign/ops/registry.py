@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch import Tensor
 
+from fusedalign.ops.blocks import BlockMath
 from fusedalign.ops.options import HeadOptions, HeadOutput, LowRank
 
 BackendFn = Callable[
@@ -40,8 +41,9 @@ class Backend:
         unavailable_reason: returns None when the backend can run on `device`, else a
             sentence saying why not.
         dtype_reason: likewise for the dtype of `hidden`.
-        blocks: the backend's block math for the loss-aware mode (`ops/loss_aware.py`),
-            or None when it has none (the op then runs the ordinary path).
+        blocks: the backend's block math for the loss-aware mode (the `BlockMath`
+            protocol of `ops/blocks.py`), or None when it has none (the op then runs the
+            ordinary path).
     """
 
     key: str
@@ -49,7 +51,7 @@ class Backend:
     run: BackendFn
     unavailable_reason: Callable[[torch.device], str | None] = lambda device: None
     dtype_reason: Callable[[torch.dtype], str | None] = lambda dtype: None
-    blocks: Any = None
+    blocks: BlockMath | None = None
 
     def reason(self, device: torch.device, dtype: torch.dtype | None) -> str | None:
         """Why this backend cannot run here, or None when it can."""

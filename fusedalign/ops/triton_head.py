@@ -39,6 +39,7 @@ import triton  # noqa: F401  (ImportError here = backend unavailable, reported b
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from fusedalign.ops.blocks import BlockForward, BlockMath
 from fusedalign.ops.gemm import HALF as _HALF
 from fusedalign.ops.gemm import accumulate_mm, wide_mm
 from fusedalign.ops.options import HeadOptions, HeadOutput, LowRank
@@ -272,12 +273,13 @@ def _backward_block(buf, lbuf, hidden, weight, bias, down, up, lab, lse2, gs, co
     return acc_h, acc_down
 
 
-class TritonBlocks:
-    """This backend's block math for the loss-aware mode (`ops/loss_aware.py`).
+class TritonBlocks(BlockMath):
+    """This backend's block math for the loss-aware mode (`ops/blocks.py`, `ops/loss_aware.py`).
 
     A block's state is its raw logits L = h W^T, [R, V] in the input dtype (one cuBLAS
-    GEMM); the kernels fold all V columns at once and then overwrite L with G in place,
-    so the block costs exactly R x V logits of the input dtype.
+    GEMM), with the labels as int32, the bias and the base-2 logsumexp [R]; the kernels
+    fold all V columns at once and then overwrite L with G in place, so the block costs
+    exactly R x V logits of the input dtype.
     """
 
     @staticmethod
@@ -285,8 +287,9 @@ class TritonBlocks:
         return dtype.itemsize
 
     @staticmethod
-    def forward(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None, opts: HeadOptions):
-        """Returns (state, logps, entropy, logit_mean, argmax_match, lse2) of the block's rows."""
+    def forward(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None,
+                opts: HeadOptions) -> BlockForward:
+        """One GEMM and one fold over all V columns (`BlockMath.forward`)."""
         with on_device(hidden):
             n, v = hidden.shape[0], weight.shape[0]
             valid = labels != opts.ignore_index
@@ -295,13 +298,13 @@ class TritonBlocks:
             state = new_state(n, opts, hidden.device, lab)
             fold(x, None, bias, lab, state, 0, opts, block_fwd_config(n, v, x.is_cuda))
             logps, entropy, mean, match, lse2 = finish(state, valid, labels, v, opts)
-        return (x, lab, bias), logps, entropy, mean, match, lse2
+        return BlockForward((x, lab, bias, lse2), logps, entropy, mean, match)
 
     @staticmethod
-    def gradient(state, labels: Tensor, lse2: Tensor, coef: Tensor, opts: HeadOptions, need_bias: bool):
-        """G = d(sum_i coef_i logp_i) / d(raw logits), over the block's logits [R, V] (input
-        dtype), and its column sums in fp32 for the bias when `need_bias`."""
-        x, lab, bias = state  # x holds h W^T; the kernels add the bias themselves
+    def gradient(state, labels: Tensor, coef: Tensor, opts: HeadOptions,
+                 need_bias: bool) -> tuple[Tensor, Tensor | None]:
+        """G written over the state's logits, in place (`BlockMath.gradient`)."""
+        x, lab, bias, lse2 = state  # x holds h W^T; the kernels add the bias themselves
         n, v = x.shape
         with on_device(x):
             gs = torch.where(lab >= 0, coef.float(), 0.0) * (opts.logit_scale / opts.temperature)

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fusedalign.ops import DeclaredLossMismatch, LowRank, SequenceLoss, head_logprobs, loss_aware
+from fusedalign.ops import BlockForward, BlockMath, DeclaredLossMismatch, LowRank, SequenceLoss, head_logprobs, loss_aware
 from tests.unit.test_ops import NumelRecorder, fro_err, make_problem, rel_err
 
 
@@ -261,3 +261,56 @@ def test_no_warning_when_the_declaration_holds():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         loss_and_grads(p, scale=0.25, sequence_loss=declared(p["segments"], p["ref"]), backend="torch")
+
+
+class PlainBlocks(BlockMath):
+    """A backend's block math written from the `BlockMath` docstrings alone: unchunked, by
+    the formulas there. If the driver ever asks more of a backend than the protocol says,
+    this stops matching the built-in backends."""
+
+    def bytes_per_logit(self, dtype, opts):
+        return 8
+
+    def forward(self, hidden, weight, labels, bias, opts):
+        u = (hidden @ weight.t()).double() + (0.0 if bias is None else bias.double())  # [R, V]
+        a = opts.logit_scale * u
+        z = a if opts.softcap is None else opts.softcap * torch.tanh(a / opts.softcap)
+        logp_all = torch.log_softmax(z / opts.temperature, dim=-1)
+        valid = labels != opts.ignore_index
+        logps = torch.where(valid, logp_all.gather(1, labels.clamp(min=0)[:, None]).squeeze(1), 0.0)
+        cdt = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        entropy = -(logp_all.exp() * logp_all).sum(-1).to(cdt) if opts.entropy else None
+        mean = z.mean(-1).to(cdt) if opts.logit_mean else None
+        match = (z.argmax(-1) == labels) & valid if opts.argmax else None
+        return BlockForward((a, logp_all, hidden.dtype), logps.to(cdt), entropy, mean, match)
+
+    def gradient(self, state, labels, coef, opts, need_bias):
+        a, logp_all, dtype = state
+        valid = labels != opts.ignore_index
+        onehot = F.one_hot(labels.clamp(min=0), a.shape[1]).double()
+        G = torch.where(valid, coef.double(), 0.0)[:, None] * (opts.logit_scale / opts.temperature) * (onehot - logp_all.exp())
+        if opts.softcap is not None:
+            G = G * (1 - torch.tanh(a / opts.softcap) ** 2)
+        cdt = torch.float64 if dtype == torch.float64 else torch.float32
+        return G.to(dtype), (G.sum(0).to(cdt) if need_bias else None)
+
+
+def test_the_block_protocol_is_all_a_backend_needs(monkeypatch):
+    from fusedalign.ops import chunked, registry
+
+    assert isinstance(chunked.TorchBlocks(), BlockMath)
+    plain = registry.Backend(key="plain-blocks", name="plain-blocks", run=chunked.chunked_head_logprobs,
+                             blocks=PlainBlocks())
+    monkeypatch.setitem(registry._BACKENDS, "plain-blocks", plain)
+    kw = dict(softcap=3.0, temperature=0.7, logit_scale=1.3, entropy=True, logit_mean=True, argmax=True)
+    p = pair_problem(seed=15)
+    want_out, _, want = loss_and_grads(p, backend="torch", **kw)
+    got_out, _, got = loss_and_grads(p, sequence_loss=declared(p["segments"], p["ref"]), backend="plain-blocks",
+                                     block_budget_bytes=20 * 37 * 8, **kw)  # one pair per block
+    assert got_out.loss_aware and got_out.backend == "plain-blocks"
+    assert rel_err(got_out.logps, want_out.logps) <= 1e-12
+    for stat in ("entropy", "logit_mean"):
+        assert rel_err(getattr(got_out, stat), getattr(want_out, stat)) <= 1e-12, stat
+    assert torch.equal(got_out.argmax_match, want_out.argmax_match)
+    for name, g, w in zip(("hidden", "weight", "bias"), got, want):
+        assert rel_err(g, w) <= 1e-12, name

@@ -174,3 +174,10 @@ def interpreter_checks():
     _, _, ordinary = loss_and_grads(p, scale=0.3, backend="torch", softcap=6.0, temperature=0.9)
     assert_bf16_no_worse(got, ordinary, exact)
     print("loss-aware interpreter checks passed")
+
+
+def test_triton_blocks_declare_the_protocol():
+    from fusedalign.ops import BlockMath
+    from fusedalign.ops.triton_head import TritonBlocks
+
+    assert isinstance(TritonBlocks(), BlockMath)
