@@ -103,6 +103,11 @@ def capped_ratio(coef: Tensor, o: GRPOOptions) -> Tensor:
     return coef if o.delta is None else torch.clamp(coef, max=o.delta)
 
 
+def _by_sign(cond: Tensor, pos: float, neg: float, like: Tensor) -> Tensor:
+    # torch.where with Python scalars would compute in float32 whatever the inputs' dtype.
+    return torch.where(cond, torch.full_like(like, pos), torch.full_like(like, neg))
+
+
 def clipped(p: PolicyInputs, o: GRPOOptions) -> Tensor:
     """PPO's clipped surrogate (grpo, bnpo, dr_grpo, dapo, luspo differ only in aggregation).
 
@@ -135,7 +140,7 @@ def sapo(p: PolicyInputs, o: GRPOOptions) -> Tensor:
     Formula:
         tau = tau_pos if A > 0 else tau_neg;  L = -sigmoid(tau * (r - 1)) * 4 / tau * A
     """
-    tau = torch.where(p.advantages > 0, o.sapo_temperature_pos, o.sapo_temperature_neg)
+    tau = _by_sign(p.advantages > 0, o.sapo_temperature_pos, o.sapo_temperature_neg, p.advantages)
     return -torch.sigmoid(tau * (p.coef - 1)) * 4 / tau * p.advantages
 
 
@@ -153,8 +158,8 @@ def vespo_weights(p: PolicyInputs, o: GRPOOptions) -> Tensor:
         seq = seq + torch.clamp(torch.log(p.is_ratio), floor, 20.0).sum(-1, keepdim=True)
     log_w = torch.clamp(seq, floor, 20.0)
     nonneg = p.advantages >= 0
-    k = torch.where(nonneg, o.vespo_k_pos, o.vespo_k_neg)
-    lam = torch.where(nonneg, o.vespo_lambda_pos, o.vespo_lambda_neg).clamp(min=1e-4)
+    k = _by_sign(nonneg, o.vespo_k_pos, o.vespo_k_neg, log_w)
+    lam = _by_sign(nonneg, o.vespo_lambda_pos, o.vespo_lambda_neg, log_w).clamp(min=1e-4)
     return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
