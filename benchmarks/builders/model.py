@@ -1,0 +1,46 @@
+"""The model every benchmark run starts from: a Qwen2.5-0.5B-shaped random init.
+
+Built once per benchmark from a seed, in the training dtype, saved to a directory and
+loaded by path by every run, so every configuration trains the same weights and each
+loads them as a user would (`from_pretrained`).
+"""
+
+from __future__ import annotations
+
+# Qwen2.5-0.5B's shape; TINY shrinks it for a CPU smoke test.
+QWEN05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+               intermediate_size=4864, vocab_size=151936, rope_theta=1_000_000.0, rms_norm_eps=1e-6)
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=128, vocab_size=512, rope_theta=10_000.0, rms_norm_eps=1e-6)
+
+
+def model_config(tiny: bool, longest: int = 0):
+    """A Qwen2Config of that shape, with room for `longest` positions (at least 32768)."""
+    from transformers import Qwen2Config
+
+    shape = TINY if tiny else QWEN05B
+    return Qwen2Config(
+        **shape, tie_word_embeddings=True, max_position_embeddings=max(32768, longest),
+        hidden_act="silu", attention_dropout=0.0, use_sliding_window=False, use_cache=False,
+        pad_token_id=0, bos_token_id=None, eos_token_id=0,
+    )
+
+
+def build_model(path: str, *, tiny: bool, dtype: str, seed: int, longest: int = 0) -> str:
+    """Seeds, builds and saves the model (and the tiny Qwen2 tokenizer) to `path`.
+
+    Returns:
+        A one-line description (class, parameter count, dtype, path).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from fusedalign.models import load_tokenizer
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(model_config(tiny, longest), dtype=torch.float32)
+    model.to(torch.bfloat16 if dtype == "bf16" else torch.float32)
+    model.save_pretrained(path)
+    load_tokenizer("builtin:tiny-qwen2").save_pretrained(path)
+    n = sum(p.numel() for p in model.parameters())
+    return f"{type(model).__name__} {n / 1e6:.1f}M parameters, {dtype}, saved to {path}"

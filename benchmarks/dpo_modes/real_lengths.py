@@ -1,0 +1,108 @@
+"""--real_lengths DATASET: DPO on preference pairs at that dataset's lengths.
+
+Every configuration trains the same pairs (drawn once from the seed, truncated at
+max_length as TRL truncates), the same number a step (--pairs, as micro-batches x
+accumulation). The first --warmup_steps steps take the same rows in the same order in
+every run; after them each run takes the timed rows in its own order ("random": one
+seeded permutation shared by the runs that use it; "grouped": TRL's group_by_length).
+The unit is pairs/s, the one that is fair to a trainer that processes fewer tokens for
+the same pairs; unique tokens/s counts each pair once (prompt + chosen + rejected).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from benchmarks.builders import lengths
+from benchmarks.builders.dpo_configs import REAL
+from benchmarks.dpo_modes.launch import launch
+from benchmarks.harness import agreement
+from benchmarks.harness.agreement import first
+from benchmarks.harness.env import log
+from benchmarks.harness.tables import fmt, markdown, ratio
+
+
+def describe(args, length: int) -> str:
+    fits = lengths.DATASETS[args.real_lengths]
+    pairs = lengths.sample_pairs(fits, args.total_steps * args.pairs, seed=args.seed, max_length=length)
+    n = len(pairs["prompt"])
+    med = {k: statistics.median(pairs[k]) for k in ("prompt", "chosen", "rejected")}
+    unique = lengths.unique_tokens(pairs, list(range(n))) / n
+    return (f"{fits.name} lengths (log-normal fits; median prompt {med['prompt']:.0f}, chosen {med['chosen']:.0f}, "
+            f"rejected {med['rejected']:.0f} tokens in this draw; {unique:.0f} unique tokens a pair), max_length "
+            f"{length}: {pairs['dropped']} pairs dropped (prompt >= max_length), {pairs['truncated']} of {n} "
+            "truncated")
+
+
+def table(length: int, results: dict[str, dict], skipped: dict, args) -> str:
+    base = results.get("trl_liger") if results.get("trl_liger", {}).get("status") == "ok" else None
+    title = (f"### {args.real_lengths}, max_length {length} ({args.pairs} pairs/step, micro-batch "
+             f"{args.per_device_train_batch_size} x GA {args.pairs // args.per_device_train_batch_size}, "
+             f"{args.timed_steps} timed steps)")
+    rows = []
+    for config in REAL:
+        r = results.get(config)
+        if r is None:
+            if config in args.configs:
+                rows.append([config, f"skipped: {skipped.get(config)}"] + [""] * 6)
+            continue
+        if r["status"] != "ok":
+            what = "OOM" if r["status"] == "OOM" else f"error ({r.get('error', '')[:80]})"
+            rows.append([config, what, "", "", fmt(r.get("peak_gib"), ".1f"), "", "", ""])
+            continue
+        work = r["backbone_tokens"] / r["unique_tokens"]
+        rows.append([config, f"{r['pairs_per_s']:,.1f}", f"{r['unique_tokens_per_s']:,.0f}", f"{work:.2f}",
+                     fmt(r.get("peak_gib"), ".1f"), ", ".join(f"{x:.4f}" for x in first(r, "loss")),
+                     ratio(r["pairs_per_s"], base["pairs_per_s"]) if base else "—",
+                     ratio(r.get("peak_gib"), base.get("peak_gib")) if base else "—"])
+    columns = ["config", "pairs/s", "unique tok/s", "backbone tokens / unique", "peak GiB", "first losses",
+               "pairs/s vs TRL+Liger", "memory vs TRL+Liger"]
+    return title + "\n\n" + markdown(columns, rows, numeric={1, 2, 3, 4, 6, 7})
+
+
+def check_agreement(length: int, results: dict[str, dict], args) -> str:
+    """Every run takes the warm-up rows in the same order: their logps must agree there.
+
+    The loss is held among ours only: TRL applies Liger's kernels to the policy and not
+    to its reference, so its first loss is not ln 2 (see compare.check_agreement).
+    """
+    steps = min(3, args.warmup_steps)
+    names = [c for c in REAL if results.get(c, {}).get("status") == "ok"]
+    trl = tuple(c for c in names if REAL[c].is_trl)
+    names = [c for c in names if c not in trl] + list(trl)  # ours first: the loss is compared to ours
+    checks = [agreement.Check("loss", args.loss_atol, steps, skip=trl),
+              agreement.Check("logps/chosen", args.logps_atol, steps),
+              agreement.Check("logps/rejected", args.logps_atol, steps)]
+    found = agreement.compare(results, names, checks)
+    log(f"\nAgreement on the {steps} warm-up step(s) every run takes in the same order ({', '.join(names)}; "
+        f"loss within {args.loss_atol:g} among ours, logps within {args.logps_atol:g} nats):")
+    for line in found.lines:
+        log("  " + line)
+    if found.verdict == "void":
+        log("\n" + "!" * 78 + f"\n!!  COMPARISON VOID ({args.real_lengths}): the runs do not compute the same "
+            "loss on the same tokens\n" + "!" * 78)
+    else:
+        log("  " + found.verdict)
+    return found.verdict
+
+
+def real_lengths(args, skipped) -> tuple[dict, list[str]]:
+    length = args.lengths[0]
+    log("\n" + describe(args, length))
+    results = {}
+    for config in args.configs:
+        if skipped[config]:
+            log(f"  {config}: skipped: {skipped[config]}")
+            continue
+        log(f"  {config}: running ...")
+        r = launch(args, config, length, f"{args.real_lengths}-{config}-{length}")
+        results[config] = r
+        if r["status"] == "ok":
+            log(f"  {config}: {r['pairs_per_s']:,.1f} pairs/s, {r['unique_tokens_per_s']:,.0f} unique tok/s, peak "
+                f"{fmt(r.get('peak_gib'), '.2f')} GiB ({r['wall_s']:.0f} s)")
+        else:
+            log(f"  {config}: {r['status']} ({r.get('error', '')[:200]})")
+    text = describe(args, length) + "\n\n" + table(length, results, skipped, args)
+    log("\n" + text + "\n")
+    check_agreement(length, results, args)
+    return {str(length): results}, [text]

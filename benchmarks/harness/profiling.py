@@ -1,0 +1,113 @@
+"""A profiled step: its CUDA kernels by kind, how busy the GPU was, its Chrome trace."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import shutil
+
+# Kernel kinds, by name (first match wins): what any implementation of the same
+# computation must run (GEMMs, attention) against what differs between them.
+KERNEL_KINDS = (
+    ("GEMM", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitkreduce")),
+    ("head element-wise", ("chunk_kernel", "logprob")),
+    ("compiled element-wise (inductor)", ("triton_poi", "triton_per", "triton_red", "triton_tem")),
+    ("attention", ("flash", "fmha", "cudnn", "attn", "sdpa")),
+    ("optimizer and clipping", ("adam", "multi_tensor", "foreach", "lpnorm")),
+    ("Liger layer kernels", ("rms_norm", "swiglu", "rope", "liger")),
+)
+OTHER = "other (copies, casts, reductions, eager element-wise)"
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    for kind, needles in KERNEL_KINDS:
+        if any(n in low for n in needles):
+            return kind
+    return OTHER
+
+
+def summarise_profile(prof, step_s: float) -> dict:
+    """The profiled step's top CUDA kernels, their time by kind, and how busy the GPU was."""
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]  # kernels, not the ops launching them
+    kernels = sorted(((e.key, e.self_device_time_total / 1e3, e.count) for e in events
+                      if e.self_device_time_total > 0), key=lambda x: -x[1])
+    kinds: dict[str, float] = {}
+    for name, ms, _ in kernels:
+        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + ms
+    return {"step_ms": step_s * 1e3, "gpu_busy_ms": sum(ms for _, ms, _ in kernels),
+            "by_kind": {k: round(v, 3) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+            "top": [{"kernel": k[:110], "ms": round(ms, 3), "calls": c} for k, ms, c in kernels[:40]]}
+
+
+def write_trace(prof, path: str) -> None:
+    """The profiler's Chrome trace, gzipped at `path` (ending in .json.gz)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    raw = path[: -len(".gz")]
+    prof.export_chrome_trace(raw)
+    with open(raw, "rb") as src, gzip.open(path, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    os.remove(raw)
+
+
+class ProfileStep:
+    """A StepTimer hook: profiles step `step` (0-based) with torch.profiler; with `trace`,
+    writes its Chrome trace there. The summary is in `.result` afterwards."""
+
+    def __init__(self, step: int, trace: str | None = None):
+        self.step, self.trace = step, trace
+        self.profiler = None
+        self.result: dict | None = None
+
+    def begin(self, step: int) -> None:
+        if step == self.step:
+            import torch.profiler as tp
+
+            self.profiler = tp.profile(activities=[tp.ProfilerActivity.CPU, tp.ProfilerActivity.CUDA])
+            self.profiler.start()
+
+    def end(self, step: int, seconds: float) -> None:
+        if self.profiler is None:
+            return
+        self.profiler.stop()
+        self.result = summarise_profile(self.profiler, seconds)
+        if self.trace:
+            write_trace(self.profiler, self.trace)
+            self.result["trace"] = self.trace
+        self.profiler = None
+
+
+class MemoryPeakStep:
+    """A StepTimer hook: records the CUDA allocator's history over step `step` (0-based)
+    and keeps what is alive at its peak (memory_peak.peak_breakdown, per `tokens`)."""
+
+    def __init__(self, step: int, tokens: int | None):
+        self.step, self.tokens = step, tokens
+        self.baseline: int | None = None
+        self.result: dict | None = None
+
+    def begin(self, step: int) -> None:
+        if step == self.step:
+            import torch
+
+            torch.cuda.memory._record_memory_history(max_entries=5_000_000, stacks="python")
+            self.baseline = torch.cuda.memory_allocated()
+
+    def end(self, step: int, seconds: float) -> None:
+        if self.baseline is None:
+            return
+        import torch
+
+        from benchmarks.memory_peak import peak_breakdown
+
+        snap = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        self.result = peak_breakdown(snap["device_traces"][torch.cuda.current_device()], self.baseline, self.tokens)
+        self.baseline = None
+
+
+def format_profile(prof: dict, top: int = 25) -> list[str]:
+    lines = [f"profile (one extra step): {prof['step_ms']:.1f} ms wall, GPU kernels {prof['gpu_busy_ms']:.1f} ms; "
+             "by kind: " + ", ".join(f"{k} {v:.1f}" for k, v in prof.get("by_kind", {}).items()) + "; top kernels:"]
+    lines += [f"  {row['ms']:9.3f} ms {row['calls']:6d}x  {row['kernel']}" for row in prof["top"][:top]]
+    return lines
