@@ -29,10 +29,14 @@ columns wide and the op several times slower than the GEMMs it runs (docs/benchm
 So the tokens are taken in row blocks of at most M / MIN_COLS rows, each chunked over the
 vocabulary as above; grad_W and the adapter's grad_up then sum over the blocks, in an fp32
 V x H accumulator (0.5 GiB at Qwen2.5-0.5B's shape), which at such N is smaller than the
-N x H one it replaces.
+N x H one it replaces. The backward's two regimes are two functions behind one dispatcher
+(`_backward`): `_backward_one_block` and `_backward_row_blocks`, sharing the chunk loop
+`_block_chunks`.
 """
 
 from __future__ import annotations
+
+from typing import Callable, NamedTuple
 
 import torch
 import triton  # noqa: F401  (ImportError here = backend unavailable, reported by the registry)
@@ -49,6 +53,7 @@ from fusedalign.ops.triton_launch import (
     BWD_CONFIG,
     FWD_CONFIG,
     block_fwd_config,
+    fill_gradient,
     finish,
     fold,
     kernels,
@@ -88,9 +93,14 @@ def row_blocks(n: int, v: int, opts: HeadOptions) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def _buffer_size(blocks: list[tuple[int, int]], v: int, opts: HeadOptions) -> int:
-    """Elements of the largest chunk any block takes (its rows x its chunk's columns)."""
-    return max((r1 - r0) * chunk_cols(r1 - r0, v, opts) for r0, r1 in blocks)
+def _chunk_buffers(blocks: list[tuple[int, int]], hidden: Tensor, down: Tensor | None, v: int,
+                   opts: HeadOptions) -> tuple[Tensor, Tensor | None]:
+    """Reusable flat buffers for the chunks of `blocks`: the logits (hidden's dtype) and the
+    adapter's logits (down's dtype, None without an adapter), each as large as the largest
+    chunk any block takes (its rows x its chunk's columns)."""
+    size = max((r1 - r0) * chunk_cols(r1 - r0, v, opts) for r0, r1 in blocks)
+    buf = torch.empty(size, dtype=hidden.dtype, device=hidden.device)
+    return buf, None if down is None else torch.empty(size, dtype=down.dtype, device=hidden.device)
 
 
 class _TritonHeadLogprobs(torch.autograd.Function):
@@ -141,9 +151,7 @@ def _forward(hidden, weight, labels, bias, down, up, opts: HeadOptions):
     state = new_state(n, opts, dev, lab)
     if n > 0:
         blocks = row_blocks(n, v, opts)
-        size = _buffer_size(blocks, v, opts)
-        buf = torch.empty(size, dtype=hidden.dtype, device=dev)
-        lbuf = None if down is None else torch.empty(size, dtype=down.dtype, device=dev)
+        buffers = _chunk_buffers(blocks, hidden, down, v, opts)
         for r0, r1 in blocks:
             h_b, d_b = hidden[r0:r1], None if down is None else down[r0:r1]
             s_b = tuple(t[r0:r1] for t in state)  # views: the kernel folds into the block's rows
@@ -151,71 +159,120 @@ def _forward(hidden, weight, labels, bias, down, up, opts: HeadOptions):
             config = launch_shape(FWD_CONFIG, r1 - r0, cols, hidden.is_cuda)
             for c0 in range(0, v, cols):
                 cl = min(cols, v - c0)
-                x, lx = _chunk_logits(buf, lbuf, h_b, weight, d_b, up, c0, cl)
+                x, lx = _chunk_logits(*buffers, h_b, weight, d_b, up, c0, cl)
                 fold(x, lx if down is not None else None, bias, lab[r0:r1], s_b, c0, opts, config)
-        del buf, lbuf
+        del buffers
     return finish(state, valid, labels, v, opts)
 
 
+class _RowInputs(NamedTuple):
+    """The backward kernel's per-row inputs, for the rows of one call or one row block."""
+
+    lab: Tensor  # [n] int32, the label, -1 where ignored
+    lse2: Tensor  # [n] fp32, the forward's base-2 logsumexp
+    gs: Tensor  # [n] fp32, g * logit_scale / T, 0 where ignored
+
+    def rows(self, r0: int, r1: int) -> _RowInputs:
+        return _RowInputs(*(t[r0:r1] for t in self))
+
+
 def _backward(g, hidden, weight, labels, bias, down, up, lse2, opts: HeadOptions, *, need):
-    """Gradients (hidden, weight, bias, down, up) of sum_i g_i logp_i; None where not needed."""
-    need_h, need_w, need_b, need_down, need_up = need
-    n, v, dev = hidden.shape[0], weight.shape[0], hidden.device
+    """Gradients (hidden, weight, bias, down, up) of sum_i g_i logp_i; None where not needed.
+
+    The dispatcher of the two regimes, which follow the forward's row blocks (`row_blocks`):
+    one block of every row (`_backward_one_block`) or several (`_backward_row_blocks`).
+    """
+    n, v = hidden.shape[0], weight.shape[0]
     valid = labels != opts.ignore_index
-    lab = torch.where(valid, labels, -1).to(torch.int32)
     # Ignored positions get exactly zero gradient, even if the upstream sent NaN there.
-    gs = torch.where(valid, g.float(), 0.0) * (opts.logit_scale / opts.temperature)
-    blocks = row_blocks(n, v, opts) if n > 0 else []
-    # Per-row gradients are written block by block; the per-column ones (weight, bias, up)
-    # are complete after one block's chunk (its GEMM sums over the block's rows in fp32),
-    # so with one block they are written once, and with several summed in fp32.
-    one = len(blocks) <= 1
-    # With one block its fp32 rows become the result after the chunk buffer is freed (the
-    # peak stays one chunk + the accumulator); with several, each block's rows land here.
-    g_h = torch.empty_like(hidden) if need_h and not one else None
-    g_down = torch.empty_like(down) if need_down and not one else None
-    zeros_if_empty = torch.zeros if n == 0 else torch.empty
-    col_grads = []
-    for t, wanted in ((weight, need_w), (bias, need_b), (up, need_up)):
-        if not wanted:
-            col_grads.append(None)
-        elif one:
-            col_grads.append(zeros_if_empty(t.shape, dtype=t.dtype, device=dev))
-        else:
-            col_grads.append(_acc_like(t))
-    if n > 0:
-        size = _buffer_size(blocks, v, opts)
-        buf = torch.empty(size, dtype=hidden.dtype, device=dev)
-        lbuf = None if down is None else torch.empty(size, dtype=down.dtype, device=dev)
-        for r0, r1 in blocks:
-            sl = slice(r0, r1)
-            d_b = None if down is None else down[sl]
-            acc_h, acc_down = _backward_block(
-                buf, lbuf, hidden[sl], weight, bias, d_b, up, lab[sl], lse2[sl], gs[sl], col_grads, opts,
-                need=need, accumulate=not one,
-            )
-            if acc_down is not None:
-                acc_down.mul_(opts.low_rank_scale)
-            if not one:
-                if acc_h is not None:
-                    g_h[sl] = acc_h
-                if acc_down is not None:
-                    g_down[sl] = acc_down
-                acc_h = acc_down = None  # freed before the next block allocates its own
-        del buf, lbuf
-        if one:
-            g_h = None if acc_h is None else acc_h.to(hidden.dtype)
-            g_down = None if acc_down is None else acc_down.to(down.dtype)
-    elif need_h or need_down:  # no rows: empty gradients of the right shapes
-        g_h = torch.empty_like(hidden) if need_h else None
-        g_down = torch.empty_like(down) if need_down else None
-    g_w, g_b, g_up = col_grads
-    if not one:
+    per_row = _RowInputs(torch.where(valid, labels, -1).to(torch.int32), lse2,
+                         torch.where(valid, g.float(), 0.0) * (opts.logit_scale / opts.temperature))
+    if n == 0:
+        return _backward_no_rows(hidden, weight, bias, down, up, need)
+    blocks = row_blocks(n, v, opts)
+    if len(blocks) == 1:
+        return _backward_one_block(hidden, weight, bias, down, up, per_row, opts, need)
+    return _backward_row_blocks(hidden, weight, bias, down, up, per_row, blocks, opts, need)
+
+
+def _backward_no_rows(hidden, weight, bias, down, up, need):
+    """No rows: empty per-row gradients, zero per-column ones (still connected)."""
+    need_h, need_w, need_b, need_down, need_up = need
+    like = lambda t, wanted: torch.empty_like(t) if wanted else None  # noqa: E731
+    zeros = lambda t, wanted: torch.zeros(t.shape, dtype=t.dtype, device=t.device) if wanted else None  # noqa: E731
+    return like(hidden, need_h), zeros(weight, need_w), zeros(bias, need_b), like(down, need_down), zeros(up, need_up)
+
+
+def _backward_one_block(hidden, weight, bias, down, up, per_row: _RowInputs, opts: HeadOptions, need):
+    """Every row at once, chunked over the vocabulary (up to ~57k rows at V = 151,936).
+
+    A chunk's column gradients (grad_W, grad_b, grad_up of its columns) are complete after
+    its GEMM, which sums over all N rows in fp32 and rounds once: they are written straight
+    into the returned tensors. grad_h and grad_down accumulate over the chunks (in fp32 for
+    half inputs) and are cast once the chunk buffer is freed, so that the peak stays one
+    chunk plus one accumulator.
+    """
+    _, need_w, need_b, _, need_up = need
+    n, v = hidden.shape[0], weight.shape[0]
+    g_w, g_b, g_up = (torch.empty(t.shape, dtype=t.dtype, device=t.device) if wanted else None
+                      for t, wanted in ((weight, need_w), (bias, need_b), (up, need_up)))
+
+    def write_columns(cols: slice, x: Tensor, lx: Tensor, dbias: Tensor | None) -> None:
+        if g_w is not None:
+            torch.mm(x.t(), hidden, out=g_w[cols])  # [C, N] @ [N, H]
+        if g_b is not None:
+            g_b[cols] = dbias[:, :x.shape[1]].sum(dim=0)
         if g_up is not None:
-            g_up.mul_(opts.low_rank_scale)
-        g_w, g_b, g_up = (None if acc is None else acc.to(t.dtype)
-                          for acc, t in zip(col_grads, (weight, bias, up)))
+            g_up[cols] = wide_mm(lx.t(), down).mul_(opts.low_rank_scale)  # [C, N] @ [N, r]
+
+    buffers = _chunk_buffers([(0, n)], hidden, down, v, opts)
+    acc_h, acc_down = _block_chunks(buffers, hidden, weight, bias, down, up, per_row, opts, need, write_columns)
+    if acc_down is not None:
+        acc_down.mul_(opts.low_rank_scale)
+    del buffers
+    g_h = None if acc_h is None else acc_h.to(hidden.dtype)
+    g_down = None if acc_down is None else acc_down.to(down.dtype)
     return g_h, g_w, g_b, g_down, g_up
+
+
+def _backward_row_blocks(hidden, weight, bias, down, up, per_row: _RowInputs, blocks, opts: HeadOptions, need):
+    """Long inputs: the forward's row blocks one after another, each chunked over the vocabulary.
+
+    Column gradients are summed over the blocks in fp32 accumulators (grad_W: V x H) and
+    rounded once at the end. Each block's grad_h / grad_down rows are written into the
+    returned tensors when the block is done, and its fp32 accumulator is freed before the
+    next block allocates its own.
+    """
+    need_h, need_w, need_b, need_down, need_up = need
+    v = weight.shape[0]
+    g_h = torch.empty_like(hidden) if need_h else None
+    g_down = torch.empty_like(down) if need_down else None
+    acc_w, acc_b, acc_up = (_acc_like(t) if wanted else None
+                            for t, wanted in ((weight, need_w), (bias, need_b), (up, need_up)))
+    buffers = _chunk_buffers(blocks, hidden, down, v, opts)
+    for r0, r1 in blocks:
+        h_b, d_b = hidden[r0:r1], None if down is None else down[r0:r1]
+
+        def add_columns(cols: slice, x: Tensor, lx: Tensor, dbias: Tensor | None, h_b=h_b, d_b=d_b) -> None:
+            if acc_w is not None:
+                accumulate_mm(acc_w[cols], x.t(), h_b)  # [C, n] @ [n, H]
+            if acc_b is not None:
+                acc_b[cols] += dbias[:, :x.shape[1]].sum(dim=0)
+            if acc_up is not None:
+                accumulate_mm(acc_up[cols], lx.t(), d_b)  # [C, n] @ [n, r]; scaled at the end
+
+        acc_h, acc_down = _block_chunks(buffers, h_b, weight, bias, d_b, up, per_row.rows(r0, r1), opts, need,
+                                        add_columns)
+        if acc_h is not None:
+            g_h[r0:r1] = acc_h
+        if acc_down is not None:
+            g_down[r0:r1] = acc_down.mul_(opts.low_rank_scale)
+        del acc_h, acc_down  # freed before the next block allocates its own
+    del buffers
+    if acc_up is not None:
+        acc_up.mul_(opts.low_rank_scale)
+    cast = lambda acc, like: None if acc is None else acc.to(like.dtype)  # noqa: E731
+    return g_h, cast(acc_w, weight), cast(acc_b, bias), g_down, cast(acc_up, up)
 
 
 def _acc_like(t: Tensor) -> Tensor:
@@ -223,53 +280,37 @@ def _acc_like(t: Tensor) -> Tensor:
     return torch.zeros(t.shape, dtype=torch.float32 if t.dtype in _HALF else t.dtype, device=t.device)
 
 
-def _backward_block(buf, lbuf, hidden, weight, bias, down, up, lab, lse2, gs, col_grads, opts: HeadOptions, *,
-                    need, accumulate: bool):
-    """One row block's chunks. Returns its (grad_h, grad_down) rows, fp32 for half inputs;
-    adds (accumulate) or writes its grad_W, grad_b, grad_up columns into `col_grads`."""
-    need_h, need_w, need_b, need_down, need_up = need
-    g_w, g_b, g_up = col_grads
+def _block_chunks(buffers, hidden, weight, bias, down, up, per_row: _RowInputs, opts: HeadOptions, need,
+                  columns: Callable[[slice, Tensor, Tensor, Tensor | None], None]):
+    """One row block's vocabulary chunks, shared by both regimes.
+
+    Per chunk: recompute L (and the adapter's logits), let the kernel overwrite them with G,
+    add G W_c (and s G up_c) into the block's fp32 grad_h (grad_down) rows, and hand the
+    chunk to `columns(cols, G, G in the adapter's dtype, dbias)` for its column gradients.
+
+    Returns:
+        (grad_h rows, grad_down rows before the adapter's scale) of the block, fp32 for
+        half inputs; None where not needed.
+    """
+    need_h, _, need_b, need_down, need_up = need
     n, v = hidden.shape[0], weight.shape[0]
     acc_h = _acc_like(hidden) if need_h else None
     acc_down = _acc_like(down) if need_down else None
-    kernel = kernels().bwd_chunk_kernel
     cols = chunk_cols(n, v, opts)
-    br, bc, warps = launch_shape(BWD_BIAS_CONFIG if need_b else BWD_CONFIG, n, cols, hidden.is_cuda)
-    row_tiles = triton.cdiv(n, br)
-    dbias = torch.empty(row_tiles, cols, dtype=torch.float32, device=hidden.device) if need_b else lab
-    kernel_scalars = scalars(opts)
+    config = launch_shape(BWD_BIAS_CONFIG if need_b else BWD_CONFIG, n, cols, hidden.is_cuda)
+    dbias = torch.empty(triton.cdiv(n, config[0]), cols, dtype=torch.float32, device=hidden.device) if need_b else None
     for c0 in range(0, v, cols):
         cl = min(cols, v - c0)
-        x, lx = _chunk_logits(buf, lbuf, hidden, weight, down, up, c0, cl)
-        kernel[(row_tiles, triton.cdiv(cl, bc))](
-            x, cl, lx, cl, x if bias is None else bias, lab, lse2, gs, dbias, cols,
-            n, c0, cl, *kernel_scalars,
-            HAS_BIAS=bias is not None, HAS_LORA=down is not None,
-            HAS_SOFTCAP=opts.softcap is not None, BIAS_GRAD=need_b,
-            LORA_GRAD=need_down or need_up, ACCURATE_TANH=hidden.is_cuda,
-            BLOCK_R=br, BLOCK_C=bc, num_warps=warps,
-        )
+        x, lx = _chunk_logits(*buffers, hidden, weight, down, up, c0, cl)
+        fill_gradient(x, lx if down is not None else None, bias, *per_row, dbias, c0, opts, config,
+                      lora_grad=need_down or need_up)
         # x now holds G [n, C] (input dtype); lx holds G in the adapter's dtype.
-        w_c = weight[c0:c0 + cl]
+        chunk = slice(c0, c0 + cl)
         if need_h:
-            accumulate_mm(acc_h, x, w_c)  # [n, C] @ [C, H]
-        if need_w:
-            if accumulate:
-                accumulate_mm(g_w[c0:c0 + cl], x.t(), hidden)  # [C, n] @ [n, H]
-            else:
-                torch.mm(x.t(), hidden, out=g_w[c0:c0 + cl])
-        if need_b:
-            if accumulate:
-                g_b[c0:c0 + cl] += dbias[:, :cl].sum(dim=0)
-            else:
-                g_b[c0:c0 + cl] = dbias[:, :cl].sum(dim=0)
-        if need_up:
-            if accumulate:
-                accumulate_mm(g_up[c0:c0 + cl], lx.t(), down)  # [C, n] @ [n, r]; scaled at the end
-            else:
-                g_up[c0:c0 + cl] = wide_mm(lx.t(), down).mul_(opts.low_rank_scale)
+            accumulate_mm(acc_h, x, weight[chunk])  # [n, C] @ [C, H]
+        columns(chunk, x, lx, dbias)
         if need_down:
-            accumulate_mm(acc_down, lx, up[c0:c0 + cl])  # [n, C] @ [C, r]
+            accumulate_mm(acc_down, lx, up[chunk])  # [n, C] @ [C, r]
     return acc_h, acc_down
 
 
@@ -308,15 +349,9 @@ class TritonBlocks(BlockMath):
         n, v = x.shape
         with on_device(x):
             gs = torch.where(lab >= 0, coef.float(), 0.0) * (opts.logit_scale / opts.temperature)
-            br, bc, warps = launch_shape(BWD_BIAS_CONFIG if need_bias else BWD_CONFIG, n, v, x.is_cuda)
-            row_blocks = triton.cdiv(n, br)
-            dbias = torch.empty(row_blocks, v, dtype=torch.float32, device=x.device) if need_bias else lab
-            kernels().bwd_chunk_kernel[(row_blocks, triton.cdiv(v, bc))](
-                x, v, x, v, x if bias is None else bias, lab, lse2, gs, dbias, v,
-                n, 0, v, *scalars(opts),
-                HAS_BIAS=bias is not None, HAS_LORA=False, HAS_SOFTCAP=opts.softcap is not None, BIAS_GRAD=need_bias,
-                LORA_GRAD=False, ACCURATE_TANH=x.is_cuda, BLOCK_R=br, BLOCK_C=bc, num_warps=warps,
-            )
+            config = launch_shape(BWD_BIAS_CONFIG if need_bias else BWD_CONFIG, n, v, x.is_cuda)
+            dbias = torch.empty(triton.cdiv(n, config[0]), v, dtype=torch.float32, device=x.device) if need_bias else None
+            fill_gradient(x, None, bias, lab, lse2, gs, dbias, 0, opts, config, lora_grad=False)
         return x, (dbias.sum(dim=0) if need_bias else None)
 
 

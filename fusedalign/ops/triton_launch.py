@@ -1,5 +1,5 @@
 """Launching the head's Triton kernels: their launch shapes, the per-token running state of
-`fwd_chunk_kernel`, and folding a tile of logits into it.
+`fwd_chunk_kernel`, folding a tile of logits into it, and turning a tile into its gradient.
 
 Shared by the per-token op (`triton_head.py`: vocabulary chunks, row blocks, autograd) and
 its loss-aware block math (`TritonBlocks`, there too). The kernels themselves are in
@@ -98,6 +98,29 @@ def fold(x: Tensor, lx: Tensor | None, bias: Tensor | None, lab: Tensor, state, 
         HAS_BIAS=bias is not None, HAS_LORA=lx is not None,
         HAS_SOFTCAP=opts.softcap is not None, ENTROPY=opts.entropy,
         MEAN=opts.logit_mean, ARGMAX=opts.argmax, ACCURATE_TANH=x.is_cuda,
+        BLOCK_R=br, BLOCK_C=bc, num_warps=warps,
+    )
+
+
+def fill_gradient(x: Tensor, lx: Tensor | None, bias: Tensor | None, lab: Tensor, lse2: Tensor, gs: Tensor,
+                  dbias: Tensor | None, c0: int, opts: HeadOptions, config: tuple[int, int, int], *,
+                  lora_grad: bool) -> None:
+    """Overwrites the chunk x = [n, C] (columns c0 .. c0 + C of the raw logits h W^T) with
+    G = d(sum_i g_i logp_i) / du, and the adapter's logits lx [n, C] too when `lora_grad`.
+
+    lab [n] int32 (-1 where ignored), lse2 [n] and gs [n] = g logit_scale / T (fp32) are the
+    rows' inputs; dbias [row tiles, >= C] fp32 receives G's column sums per row tile (None:
+    no bias gradient).
+    """
+    n, cl = x.shape
+    br, bc, warps = config
+    kernels().bwd_chunk_kernel[(triton.cdiv(n, br), triton.cdiv(cl, bc))](
+        x, x.stride(0), x if lx is None else lx, cl if lx is None else lx.stride(0),
+        x if bias is None else bias, lab, lse2, gs,
+        lab if dbias is None else dbias, cl if dbias is None else dbias.stride(0),
+        n, c0, cl, *scalars(opts),
+        HAS_BIAS=bias is not None, HAS_LORA=lx is not None, HAS_SOFTCAP=opts.softcap is not None,
+        BIAS_GRAD=dbias is not None, LORA_GRAD=lora_grad, ACCURATE_TANH=x.is_cuda,
         BLOCK_R=br, BLOCK_C=bc, num_warps=warps,
     )
 
