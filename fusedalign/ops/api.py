@@ -150,41 +150,24 @@ def _scatter_rows(out: HeadOutput, rows: Tensor, n: int) -> HeadOutput:
                         argmax_match=put(out.argmax_match))
 
 
-def reference_head_logprobs(
-    hidden: Tensor,
-    weight: Tensor,
-    labels: Tensor,
-    bias: Tensor | None = None,
-    *,
-    temperature: float = 1.0,
-    softcap: float | None = None,
-    logit_scale: float = 1.0,
-    ignore_index: int = -100,
-    low_rank: LowRank | None = None,
-    entropy: bool = False,
-    logit_mean: bool = False,
-    argmax: bool = False,
-    chunk_size: int | None = None,
-    memory_budget_bytes: int | None = None,
-    backend: str = "reference",
-) -> HeadOutput:
-    """The unfused oracle: same signature and result as `head_logprobs`, materialising z.
+def reference_head_logprobs(*args, backend: str = "reference", **kwargs) -> HeadOutput:
+    """`head_logprobs(*args, **kwargs)` on the "reference" backend: the unfused oracle.
 
-    `chunk_size` and `memory_budget_bytes` are accepted for signature parity and ignored;
-    `backend` may only be "reference" or "auto". Allocates several [N, V] tensors: for
-    tests and benchmarks, never for training.
+    A thin wrapper, so that the op's signature lives in one place (`head_logprobs`, whose
+    docstring lists every argument). The reference materialises z, allocating several
+    [N, V] tensors: for tests and benchmarks, never for training. `chunk_size` and
+    `memory_budget_bytes` are validated and then ignored; `sequence_loss` never applies
+    (the reference has no block math).
+
+    Raises:
+        ValueError: `backend` names anything but "reference" (or "auto").
     """
     if backend not in ("reference", "auto"):
         raise ValueError(
             f"reference_head_logprobs always runs the 'reference' backend; got "
             f"backend={backend!r}. Call head_logprobs(..., backend={backend!r}) instead."
         )
-    return head_logprobs(
-        hidden, weight, labels, bias, temperature=temperature, softcap=softcap,
-        logit_scale=logit_scale, ignore_index=ignore_index, low_rank=low_rank,
-        entropy=entropy, logit_mean=logit_mean, argmax=argmax, chunk_size=chunk_size,
-        memory_budget_bytes=memory_budget_bytes, backend="reference",
-    )
+    return head_logprobs(*args, backend="reference", **kwargs)
 
 
 def _apply_autocast(hidden, weight, bias, low_rank):

@@ -292,6 +292,20 @@ def test_backend_reported_and_auto_is_torch():
     assert reference_head_logprobs(p["hidden"], p["weight"], p["labels"]).backend == "reference"
 
 
+def test_reference_wrapper_forwards_every_argument():
+    p = make_problem(9, 23, 5, bias=True, rank=2, ignore_frac=0.3)
+    kw = dict(temperature=0.8, softcap=2.0, logit_scale=1.2, low_rank=low_rank_of(p, 0.7), entropy=True,
+              logit_mean=True, argmax=True)
+    want = head_logprobs(p["hidden"], p["weight"], p["labels"], p["bias"], backend="reference", **kw)
+    for backend in ("reference", "auto"):
+        got = reference_head_logprobs(p["hidden"], p["weight"], p["labels"], p["bias"], backend=backend, **kw)
+        assert got.backend == "reference"
+        for a, b in zip(got[:4], want[:4]):
+            assert torch.equal(a, b)
+    with pytest.raises(TypeError, match="no_such_option"):
+        reference_head_logprobs(p["hidden"], p["weight"], p["labels"], no_such_option=1)
+
+
 def test_only_some_inputs_require_grad():
     p = make_problem(10, 17, 4, bias=True, rank=2)
     for k in ("hidden", "bias", "down"):
