@@ -99,6 +99,10 @@ class MetricSet:
 
     derived: ClassVar[dict[str, Callable[[dict[str, float]], float]]] = {}
 
+    def logged(self) -> dict[str, float]:
+        """What logging these metrics alone, on one process, gives (tests, notebooks)."""
+        return logged_values(self)
+
     def stats(self) -> Iterator[tuple[str, Stat]]:
         """(logged name, statistic) of every field that is set."""
         for f in fields(self):
@@ -159,7 +163,6 @@ class MetricsRecorder:
         self.accelerator = accelerator
         self._buffers: dict[str, dict[tuple[str, ...], _Buffer]] = {"train": {}, "eval": {}}
         self._types: dict[str, dict[type, None]] = {"train": {}, "eval": {}}
-        self.steps = 0  # optimizer steps of the current training window
 
     def record(self, mode: str, metrics: Metrics | None) -> None:
         """Adds one micro-batch's metrics (all ranks) to the window of `mode`.
@@ -191,12 +194,13 @@ class MetricsRecorder:
         else:
             buffers[key] = _Buffer(tuple(kinds), reduced)
 
-    def end_step(self) -> None:
-        """One training optimizer step is complete (for `Total` statistics)."""
-        self.steps += 1
+    def read(self, mode: str, steps: int = 1) -> dict[str, float]:
+        """The logged values of the window of `mode` (read back to the host), then clears it.
 
-    def read(self, mode: str) -> dict[str, float]:
-        """The logged values of the window of `mode` (read back to the host), then clears it."""
+        Args:
+            mode: "train" or "eval".
+            steps: optimizer steps in the window, the divisor of `Total` statistics (1 in evaluation).
+        """
         raw: dict[str, dict[str, float]] = {}
         for buffer_names, buffer in self._buffers[mode].items():
             values = buffer.values.tolist()
@@ -208,7 +212,7 @@ class MetricsRecorder:
                         min(value, slot[attr]) if kind == _MIN else max(value, slot[attr]))
                 else:
                     slot[attr] = value
-        steps = max(self.steps, 1) if mode == "train" else 1
+        steps = max(steps, 1)
         logs = {}
         for name, slot in raw.items():
             value = _logged_value(slot, steps)
@@ -222,8 +226,6 @@ class MetricsRecorder:
                     pass  # a value it reads was not logged in this window
         self._buffers[mode].clear()
         self._types[mode].clear()
-        if mode == "train":
-            self.steps = 0
         return logs
 
     # ------------------------------------------------------------------ internals
@@ -280,3 +282,22 @@ def _logged_value(slot: dict[str, Any], steps: int) -> float | None:
         return math.sqrt(max(var, 0.0))
     value = slot["value"]
     return value if math.isfinite(value) else None
+
+
+class _OneProcess:
+    """The accelerator of a single CPU process, for `logged_values`."""
+
+    device = torch.device("cpu")
+    num_processes = 1
+
+    @staticmethod
+    def gather_for_metrics(x: Tensor) -> Tensor:
+        return x
+
+
+def logged_values(*metric_sets: MetricSet, mode: str = "train", steps: int = 1) -> dict[str, float]:
+    """What one process would log for these metric sets, recorded one after another (tests, notebooks)."""
+    recorder = MetricsRecorder(_OneProcess())
+    for metric_set in metric_sets:
+        recorder.record(mode, metric_set)
+    return recorder.read(mode, steps)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 from transformers.utils import logging
 
-from fusedalign.distributed import configure_cpu_arguments, finish_cpu_setup
+from fusedalign.distributed import configure_cpu_arguments
 
 logger = logging.get_logger(__name__)
 
@@ -50,6 +50,15 @@ class ModelArguments:
         default=None, metadata={"help": "Modules to adapt; default all linear layers except lm_head. Add lm_head to adapt the head."}
     )
     lora_modules_to_save: list[str] | None = field(default=None)
+
+
+TRUNCATION_MODES = ("keep_start", "keep_end")
+
+
+def check_choice(flag: str, value: object, choices: tuple) -> None:
+    """Raises ValueError naming `flag` and the accepted values when `value` is not one of them."""
+    if value not in choices:
+        raise ValueError(f"{flag} must be one of {', '.join(map(repr, choices))}; got {value!r}.")
 
 
 @dataclass
@@ -109,10 +118,11 @@ class FusedAlignConfig(TrainingArguments):
             self.compile_layers = True
             self.torch_compile, self.torch_compile_backend, self.torch_compile_mode = False, None, None
         # No accelerator present: train on the CPU, also under DeepSpeed and FSDP2
-        # (distributed.py knows how each backend is brought up there).
+        # (fusedalign.distributed knows how each backend is brought up there). This sets
+        # fields of these arguments only; the process itself is set up by
+        # `setup_distributed()` (before any config) and by the trainer.
         configure_cpu_arguments(self)
         super().__post_init__()
-        finish_cpu_setup(self)
         if self.max_length is not None and self.max_length <= 0:
             raise ValueError(f"max_length must be positive, got {self.max_length}.")
         if self.compile_layers and self.gradient_checkpointing:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fusedalign.configs.common import FusedAlignConfig
-from fusedalign.losses import check_dpo_args
+from fusedalign.configs.common import TRUNCATION_MODES, FusedAlignConfig, check_choice
+from fusedalign.losses import DPO_LOSSES, DPOOptions, check_dpo_args
 
 
 @dataclass
@@ -17,12 +17,16 @@ class DPOConfig(FusedAlignConfig):
     beta: float = field(default=0.1, metadata={"help": "Temperature of the implicit reward; > 0."})
     loss_type: list[str] = field(
         default_factory=lambda: ["sigmoid"],
-        metadata={"help": "One or more of: " + "sigmoid, robust, hinge, ipo, exo_pair, nca_pair, bco_pair, "
-                  "sppo_hard, aot, aot_pair, apo_zero, apo_down, discopop, sft."},
+        metadata={"help": "One or more of: " + ", ".join(DPO_LOSSES) + "."},
     )
     loss_weights: list[float] | None = field(default=None, metadata={"help": "Weight of each loss_type."})
     label_smoothing: float = field(default=0.0)
     discopop_tau: float = field(default=0.05)
+    bco_running_mean: bool = field(
+        default=True,
+        metadata={"help": "bco_pair: shift the rewards by the running mean of every reward seen, this batch "
+                  "included (the BCO paper); kept in checkpoints."},
+    )
     max_prompt_length: int | None = field(default=512)
     truncation_mode: str = field(default="keep_end", metadata={"help": "keep_end or keep_start (for completions)."})
     precompute_ref_log_probs: bool = field(default=False)
@@ -40,14 +44,12 @@ class DPOConfig(FusedAlignConfig):
         super().__post_init__()
         if isinstance(self.loss_type, str):
             self.loss_type = [self.loss_type]
-        if self.beta <= 0:
-            raise ValueError(f"beta must be > 0 (the scale of the implicit reward), got {self.beta}.")
-        # Every other loss option is checked by the loss module itself, before any model loads.
-        check_dpo_args(self.loss_type, beta=self.beta, label_smoothing=self.label_smoothing, loss_weights=self.loss_weights)
-        if self.truncation_mode not in ("keep_end", "keep_start"):
-            raise ValueError(f"truncation_mode must be 'keep_end' or 'keep_start', got {self.truncation_mode!r}.")
-        if self.loss_weights is not None and len(self.loss_weights) != len(self.loss_type):
-            raise ValueError(
-                f"loss_weights has {len(self.loss_weights)} values but loss_type has {len(self.loss_type)} "
-                f"({self.loss_type}); give one weight per loss type."
-            )
+        # Every DPO option is validated here, once, before any model loads.
+        self.loss_plan = check_dpo_args(
+            self.loss_type, beta=self.beta, label_smoothing=self.label_smoothing, loss_weights=self.loss_weights
+        )
+        check_choice("truncation_mode", self.truncation_mode, TRUNCATION_MODES)
+
+    def loss_options(self, bco_delta: float = 0.0) -> DPOOptions:
+        """The options the loss functions read (`bco_delta`: bco_pair's current reward shift)."""
+        return DPOOptions(self.beta, self.label_smoothing, bco_delta, self.discopop_tau)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fusedalign.configs.common import FusedAlignConfig
-from fusedalign.losses import KTO_LOSSES, check_kto_args
+from fusedalign.configs.common import TRUNCATION_MODES, FusedAlignConfig, check_choice
+from fusedalign.losses import KTO_LOSSES, KTOOptions, check_kto_args
 
 
 @dataclass
@@ -45,14 +45,35 @@ class KTOConfig(FusedAlignConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        # Every KTO option is validated here, once, before any model loads.
         check_kto_args(
             self.loss_type, beta=self.beta, desirable_weight=self.desirable_weight,
             undesirable_weight=self.undesirable_weight,
         )
-        if self.truncation_mode not in ("keep_end", "keep_start"):
-            raise ValueError(f"truncation_mode must be 'keep_end' or 'keep_start', got {self.truncation_mode!r}.")
+        check_choice("truncation_mode", self.truncation_mode, TRUNCATION_MODES)
+        self._check_kl_batch()
 
     @property
     def uses_kl(self) -> bool:
         """Whether the loss needs the KL reference point z0 (apo_zero_unpaired does not)."""
         return self.loss_type == "kto"
+
+    def loss_options(self) -> KTOOptions:
+        return KTOOptions(self.beta, self.desirable_weight, self.undesirable_weight, self.loss_type)
+
+    def _check_kl_batch(self) -> None:
+        """z0 is a mean over the mismatched pairs of a step: at least 2 examples per optimizer step.
+
+        (TRL asks for a per-device batch >= 2 because it pairs within the micro-batch, where a
+        batch of 1 pairs a row with itself; here pairs are fixed per row, so accumulating
+        per-device batches of 1 is fine, but a step of one example would set z0 from one sample.)
+        """
+        per_step = self.per_device_train_batch_size * self.gradient_accumulation_steps * self.world_size
+        if self.uses_kl and per_step < 2:
+            raise ValueError(
+                "KTO (loss_type='kto') estimates its KL reference point as a mean over the mismatched prompt/completion "
+                f"pairs of each optimizer step, which needs at least 2 examples per step; got per_device_train_batch_size="
+                f"{self.per_device_train_batch_size} x gradient_accumulation_steps={self.gradient_accumulation_steps} x "
+                f"{self.world_size} process(es) = {per_step}. Use per_device_train_batch_size >= 2 (or accumulate "
+                "several micro-batches); loss_type='apo_zero_unpaired' has no KL term."
+            )

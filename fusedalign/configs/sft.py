@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fusedalign.configs.common import FusedAlignConfig
+from fusedalign.configs.common import TRUNCATION_MODES, FusedAlignConfig, check_choice
 
 
 @dataclass
@@ -44,7 +44,6 @@ class SFTConfig(FusedAlignConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.truncation_mode not in ("keep_end", "keep_start"):
-            raise ValueError(f"truncation_mode must be 'keep_end' or 'keep_start', got {self.truncation_mode!r}.")
+        check_choice("truncation_mode", self.truncation_mode, TRUNCATION_MODES)
         if self.packing and self.max_length is None:
             raise ValueError("packing needs max_length (the length of a packed row); set --max_length.")

@@ -10,6 +10,8 @@ say ``ref_chosen_logps``) pass through as ``[B]`` tensors under their own names.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from numbers import Number
@@ -67,6 +69,23 @@ def position_labels(input_ids: Tensor, completion_mask: Tensor, ignore_index: in
     return labels
 
 
+def row_keys(features: Sequence[Mapping], fields: Sequence[str]) -> Tensor:
+    """A 64-bit hash of each row's token lists ``fields``, ``[B]`` int64.
+
+    Identifies a row by its content (the same tokens give the same key whatever the
+    dataset, order or rank), so that per-row values can be stored without adding a
+    column to the user's dataset.
+    """
+    keys = []
+    for f in features:
+        digest = hashlib.blake2b(digest_size=8)
+        for name in fields:
+            digest.update(array("q", f[name]).tobytes())
+            digest.update(b"|")
+        keys.append(int.from_bytes(digest.digest(), "little", signed=True))
+    return torch.tensor(keys, dtype=torch.long)
+
+
 def _scalars(features: Sequence[Mapping], used: set[str]) -> dict[str, Tensor]:
     """Per-row numbers other than the token lists, as [B] tensors."""
     out = {}
@@ -102,11 +121,14 @@ class DPOCollator:
         input_ids: [2B, T] prompt + chosen for rows 0..B-1, then prompt + rejected.
         attention_mask: [2B, T].
         completion_mask: [2B, T] 1 on completion tokens.
+        row_key: [B] int64, a hash of each row's token ids (only with ``row_keys``): the key
+            of precomputed reference log-probs.
         plus any scalar columns as [B] tensors.
     """
 
     pad_token_id: int
     pad_to_multiple_of: int | None = None
+    row_keys: bool = False
 
     def __call__(self, features: Sequence[Mapping]) -> dict[str, Tensor]:
         prompts = [f["prompt_ids"] for f in features]
@@ -114,47 +136,31 @@ class DPOCollator:
                              [f["chosen_ids"] for f in features] + [f["rejected_ids"] for f in features])
         batch = _padded(ids, masks, self.pad_token_id, self.pad_to_multiple_of)
         batch.update(_scalars(features, {"prompt_ids", "chosen_ids", "rejected_ids"}))
+        if self.row_keys:
+            batch["row_key"] = row_keys(features, ("prompt_ids", "chosen_ids", "rejected_ids"))
         return batch
 
 
 @dataclass
 class KTOCollator:
-    """Batches KTO rows, with the mismatched pairs of the KL estimate.
+    """Batches KTO rows (the KL partners of KTO's reference point are added by ``data.kto``).
 
     Input rows: ``prompt_ids, completion_ids, label`` (from ``tokenize_kto_row``).
 
     Output:
         input_ids, attention_mask, completion_mask: [B, T] prompt i + completion i.
         label: [B] bool.
-        kl_input_ids, kl_attention_mask, kl_completion_mask: [B, T'] prompt i + completion
-            (i - 1) mod B, i.e. each completion paired with the next row's prompt (as TRL's
-            KTO shifts completions within a batch). Only if ``kl`` is set.
         plus any other scalar columns as [B] tensors.
-
-    Raises:
-        DataError: ``kl`` is set and the batch has fewer than 2 rows (a row paired with
-            itself is not a mismatched pair).
     """
 
     pad_token_id: int
     pad_to_multiple_of: int | None = None
-    kl: bool = True
 
     def __call__(self, features: Sequence[Mapping]) -> dict[str, Tensor]:
         prompts = [f["prompt_ids"] for f in features]
         completions = [f["completion_ids"] for f in features]
         batch = _padded(*_concat(prompts, completions), self.pad_token_id, self.pad_to_multiple_of)
         batch["label"] = torch.tensor([bool(f["label"]) for f in features], dtype=torch.bool)
-        if self.kl:
-            if len(features) < 2:
-                raise DataError(
-                    f"KTO's KL estimate pairs each completion with another row's prompt, so a batch "
-                    f"needs at least 2 rows, got {len(features)}: use a per-device batch size >= 2 "
-                    "(and dataloader_drop_last=True if the dataset size leaves a batch of 1)"
-                )
-            shifted = completions[-1:] + completions[:-1]
-            batch.update(_padded(*_concat(prompts, shifted), self.pad_token_id,
-                                 self.pad_to_multiple_of, prefix="kl_"))
         batch.update(_scalars(features, {"prompt_ids", "completion_ids", "label"}))
         return batch
 
@@ -171,7 +177,8 @@ class SFTCollator:
     and **no** ``attention_mask``: transformers then builds a block-diagonal causal mask from
     ``position_ids`` (only when ``attention_mask`` is None and no KV cache is used, so call
     the model with ``use_cache=False``), and no token attends across a sequence boundary.
-    Labels must come from :func:`position_labels` with these ``position_ids``.
+    Labels must come from :func:`position_labels` with these ``position_ids``;
+    ``example_ids`` [1, L] says which input row each position came from.
 
     Raises:
         DataError: packed rows (with ``position_ids``) in padded mode, which would let
@@ -201,6 +208,8 @@ class SFTCollator:
                 "input_ids": torch.tensor([[t for s in ids for t in s]], dtype=torch.long),
                 "completion_mask": torch.tensor([[m for s in masks for m in s]], dtype=torch.long),
                 "position_ids": torch.tensor([[p for s in positions for p in s]], dtype=torch.long),
+                # which example (dataset row) each position came from: per-example metrics
+                "example_ids": torch.tensor([[i for i, s in enumerate(ids) for _ in s]], dtype=torch.long),
             }
         batch.update(_scalars(features, {"input_ids", "completion_mask", "position_ids", "seq_lengths"}))
         return batch

@@ -11,18 +11,19 @@ from fusedalign.distributed.backend import (
     DistributedBackend,
     backend_from_env,
     configure_cpu_arguments,
-    finish_cpu_setup,
     is_fsdp2,
     is_zero3,
+    prepare_trainer_process,
     setup_distributed,
     teardown_distributed,
     use_cpu,
     world_size_from_env,
+    zero3_enabled,
 )
 from fusedalign.distributed.models import prepare_final_save, prepare_reference_model
 
 __all__ = [
-    "DistributedBackend", "backend_from_env", "configure_cpu_arguments", "finish_cpu_setup", "is_fsdp2", "is_zero3",
-    "prepare_final_save", "prepare_reference_model", "setup_distributed", "teardown_distributed", "use_cpu",
-    "world_size_from_env",
+    "DistributedBackend", "backend_from_env", "configure_cpu_arguments", "is_fsdp2", "is_zero3",
+    "prepare_final_save", "prepare_trainer_process", "prepare_reference_model", "setup_distributed", "teardown_distributed", "use_cpu",
+    "world_size_from_env", "zero3_enabled",
 ]

@@ -69,7 +69,11 @@ def setup_distributed() -> DistributedBackend:
             "fusedalign supports FSDP version 2 (fully_shard); the accelerate config asks for FSDP "
             "version 1. Set `fsdp_version: 2` in its fsdp_config (see configs/accelerate/fsdp2.yaml)."
         )
-    if backend in (DistributedBackend.ZERO2, DistributedBackend.ZERO3) and use_cpu() and world_size_from_env() > 1:
+    if _deepspeed_on_cpu(backend):
+        # accelerate would take the CPU flag of the launch config and run plain DDP
+        # (MULTI_CPU); without it, it keeps DeepSpeed and the device falls back to the
+        # CPU because there is no GPU (see `configure_cpu_arguments`).
+        os.environ["ACCELERATE_USE_CPU"] = "false"
         import deepspeed
 
         if not deepspeed.comm.is_initialized():
@@ -77,35 +81,51 @@ def setup_distributed() -> DistributedBackend:
     return backend
 
 
+def _deepspeed_on_cpu(backend: DistributedBackend) -> bool:
+    return (backend in (DistributedBackend.ZERO2, DistributedBackend.ZERO3) and not torch.cuda.is_available()
+            and world_size_from_env() > 1)
+
+
 def configure_cpu_arguments(args: Any) -> None:
-    """Sets TrainingArguments so that each backend really runs on a machine without GPUs.
+    """Sets TrainingArguments' own fields so that each backend really runs without GPUs.
 
     accelerate, asked for the CPU, turns every multi-process run into plain DDP
     (MULTI_CPU), silently dropping DeepSpeed and FSDP. So:
     - DeepSpeed: not "cpu" but the gloo backend: accelerate then keeps DeepSpeed, and
-      its device falls back to the CPU because no GPU exists.
-    - FSDP2 and DDP: "cpu" (gloo process group); FSDP is restored in `finish_cpu_setup`.
+      its device falls back to the CPU because no GPU exists (`setup_distributed` has
+      cleared the launch's CPU flag for the same reason).
+    - FSDP2 and DDP: "cpu" (gloo process group); FSDP is restored by
+      `prepare_trainer_process`.
+    Touches nothing but `args`.
+
+    Raises:
+        RuntimeError: DeepSpeed on CPU in a process that `setup_distributed` did not set up.
     """
     if torch.cuda.is_available():
         return
-    backend = backend_from_env()
-    if backend in (DistributedBackend.ZERO2, DistributedBackend.ZERO3) and world_size_from_env() > 1:
+    if _deepspeed_on_cpu(backend_from_env()):
+        if _env_true("ACCELERATE_USE_CPU"):
+            raise RuntimeError(
+                "DeepSpeed on CPU: call fusedalign.distributed.setup_distributed() at the start of the script, "
+                "before building any config or model (it sets up DeepSpeed's gloo communication; the fusedalign "
+                "command line does this itself)."
+            )
         args.use_cpu = False
         args.ddp_backend = "gloo"
-        os.environ["ACCELERATE_USE_CPU"] = "false"
     else:
         args.use_cpu = True
 
 
-def finish_cpu_setup(args: Any) -> None:
-    """After the process state exists: make accelerate see FSDP2 on a CPU-only machine.
+def prepare_trainer_process(args: Any) -> None:
+    """Before a Trainer builds its Accelerator: make accelerate see FSDP2 on a CPU-only machine.
 
     accelerate enables FSDP only for GPU-like distributed types; on CPU the state says
     MULTI_CPU and the model would be wrapped in DDP instead, training without sharding
     while claiming FSDP. Marking the (shared) process state as multi-device makes the
     Accelerator pick FSDP; the device stays the CPU and the process group gloo.
     """
-    if torch.cuda.is_available() or backend_from_env() is not DistributedBackend.FSDP2 or world_size_from_env() < 2:
+    if (args is None or torch.cuda.is_available() or backend_from_env() is not DistributedBackend.FSDP2
+            or world_size_from_env() < 2):
         return
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType
@@ -114,6 +134,13 @@ def finish_cpu_setup(args: Any) -> None:
     state = PartialState()
     if state.distributed_type == DistributedType.MULTI_CPU:
         state.distributed_type = DistributedType.MULTI_GPU
+
+
+def zero3_enabled() -> bool:
+    """Whether DeepSpeed ZeRO-3 is on for the models built from now (the arguments exist)."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    return is_deepspeed_zero3_enabled()
 
 
 def is_zero3(accelerator: Any) -> bool:

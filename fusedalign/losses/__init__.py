@@ -1,26 +1,31 @@
 """Losses as pure functions of log-probs: no model, no I/O, no rank, no backend.
 
-Each loss returns per-example losses (or, for SFT, a sum already divided by a global token
-count); batch statistics come back as detached sums with counts, for the trainer to
-all-reduce (sum) and divide once.
+Each method has per-example losses (`dpo_losses`, `kto_losses`, ...) and a micro-batch
+function that returns `(sum of the batch's losses, metrics)` for the trainers
+(`dpo_batch_loss`, `kto_batch_loss`, `sft_batch_loss`); metrics are typed
+(`fusedalign.metrics`): each field declares how it reduces over ranks, micro-batches and
+logging windows. Options are validated once, by the configs (`check_*_args`).
 """
 
-from .dpo import DPO_LOSSES, DPOLossOutput, check_dpo_args, dpo_losses, pairwise_dpo_losses
-from .dpo_metrics import DPOMetrics, RewardMean, bco_reward_mean, dpo_metrics
-from .kto import KTO_LOSSES, KTOLossOutput, check_kto_args, kto_losses
+from .dpo import DPO_LOSSES, DPOLossOutput, check_dpo_args, dpo_losses, pair_losses, pairwise_dpo_losses
+from .dpo_batch import dpo_batch_loss, pair_loss_gradient, valid_pairs
+from .dpo_metrics import DPOMetrics, RewardMean, RunningRewardMean, bco_reward_mean, dpo_metrics
+from .dpo_types import DPOOptions, PairLogps
+from .kto import KTO_LOSSES, KTOLossOutput, KTOOptions, check_kto_args, kto_batch_loss, kto_losses
 from .kto_stats import KLSums, KTOMetrics, kl_estimate, kl_from_sums, kl_sums, kto_metrics
 from .grpo import GRPO_POLICY_TERMS, GRPOLossOutput, count_items, entropy_threshold, entropy_weight, grpo_loss, high_entropy_mask
 from .grpo_advantages import Advantages, group_advantages
 from .grpo_metrics import GRPOLossMetrics, RewardMetrics
 from .grpo_policy import LOSS_TYPES as GRPO_LOSS_TYPES
 from .grpo_policy import GRPOOptions
-from .sft import SFTMetrics, sft_loss, sft_metrics
+from .sft import SFTMetrics, sft_batch_loss, sft_loss, sft_metrics
 
 __all__ = [
-    "DPO_LOSSES", "DPOLossOutput", "DPOMetrics", "KLSums", "KTO_LOSSES", "KTOLossOutput",
-    "KTOMetrics", "RewardMean", "SFTMetrics", "bco_reward_mean", "check_dpo_args",
-    "check_kto_args", "dpo_losses", "dpo_metrics", "kl_estimate", "kl_from_sums", "kl_sums",
-    "kto_losses", "kto_metrics", "pairwise_dpo_losses", "sft_loss", "sft_metrics",
+    "DPO_LOSSES", "DPOLossOutput", "DPOMetrics", "DPOOptions", "KLSums", "KTO_LOSSES", "KTOLossOutput",
+    "KTOMetrics", "KTOOptions", "PairLogps", "RewardMean", "RunningRewardMean", "SFTMetrics", "bco_reward_mean",
+    "check_dpo_args", "check_kto_args", "dpo_batch_loss", "dpo_losses", "dpo_metrics", "kl_estimate",
+    "kl_from_sums", "kl_sums", "kto_batch_loss", "kto_losses", "kto_metrics", "pair_loss_gradient", "pair_losses",
+    "pairwise_dpo_losses", "sft_batch_loss", "sft_loss", "sft_metrics", "valid_pairs",
     # GRPO
     "Advantages", "GRPOLossMetrics", "GRPOLossOutput", "GRPOOptions", "GRPO_LOSS_TYPES", "GRPO_POLICY_TERMS",
     "RewardMetrics", "count_items", "entropy_threshold", "entropy_weight", "group_advantages", "grpo_loss",

@@ -136,10 +136,14 @@ def dpo_losses(
         chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
         chosen_lengths, rejected_lengths,
     )
-    opts = DPOOptions(beta, label_smoothing, bco_delta, discopop_tau)
+    return pair_losses(pairs, plan, DPOOptions(beta, label_smoothing, bco_delta, discopop_tau))
+
+
+def pair_losses(pairs: PairLogps, plan: Sequence[tuple[str, float]], opts: DPOOptions) -> DPOLossOutput:
+    """`dpo_losses` for options already validated (`plan` from `check_dpo_args`, once, by the config)."""
     losses = sum(weight * DPO_LOSSES[name](pairs, opts) for name, weight in plan)
     return DPOLossOutput(
         losses=losses,
-        chosen_rewards=(beta * pairs.chosen_logratios).detach(),
-        rejected_rewards=(beta * pairs.rejected_logratios).detach(),
+        chosen_rewards=(opts.beta * pairs.chosen_logratios).detach(),
+        rejected_rewards=(opts.beta * pairs.rejected_logratios).detach(),
     )

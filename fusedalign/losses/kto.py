@@ -108,11 +108,47 @@ def kto_losses(
     )
     if desirable.dtype != torch.bool:
         raise ValueError(f"desirable must be a bool tensor (the labels), got {desirable.dtype}.")
+    return example_losses(policy_logps, ref_logps, kl, desirable, KTOOptions(beta, desirable_weight, undesirable_weight,
+                                                                             loss_type))
+
+
+class KTOOptions(NamedTuple):
+    """KTO's options, validated once by the config (`check_kto_args`)."""
+
+    beta: float = 0.1
+    desirable_weight: float = 1.0
+    undesirable_weight: float = 1.0
+    loss_type: str = "kto"
+
+
+def example_losses(policy_logps: Tensor, ref_logps: Tensor, kl: Tensor | float, desirable: Tensor,
+                   opts: KTOOptions) -> KTOLossOutput:
+    """`kto_losses` for validated options and bool labels."""
     kl = torch.as_tensor(kl, dtype=policy_logps.dtype, device=policy_logps.device).detach()
     logratios = policy_logps - ref_logps  # [B]
-    branch = KTO_LOSSES[loss_type](logratios, kl, beta)
+    branch = KTO_LOSSES[opts.loss_type](logratios, kl, opts.beta)
     # where() routes each example to its branch; the other branch gets a zero gradient.
     losses = torch.where(
-        desirable, desirable_weight * branch.desirable, undesirable_weight * branch.undesirable
+        desirable, opts.desirable_weight * branch.desirable, opts.undesirable_weight * branch.undesirable
     )
-    return KTOLossOutput(losses, (beta * logratios).detach(), desirable)
+    return KTOLossOutput(losses, (opts.beta * logratios).detach(), desirable)
+
+
+def kto_batch_loss(policy_logps: Tensor, ref_logps: Tensor, kl: Tensor, desirable: Tensor, valid: Tensor,
+                   opts: KTOOptions) -> tuple[Tensor, "KTOMetrics"]:
+    """One KTO micro-batch: the sum of its valid examples' losses and its metrics.
+
+    Args:
+        policy_logps: [B] policy sequence log-probs, with gradient.
+        ref_logps: [B] reference sequence log-probs.
+        kl: scalar z0 of the optimizer step.
+        desirable: [B] bool labels.
+        valid: [B] bool, examples with a completion token (the others contribute zero but
+            stay in the graph).
+    """
+    from .kto_stats import kto_metrics
+
+    result = example_losses(policy_logps, ref_logps.to(policy_logps), kl, desirable.bool(), opts)
+    loss_sum = (result.losses * valid.to(result.losses.dtype)).sum()
+    uses_kl = opts.loss_type == "kto"
+    return loss_sum, kto_metrics(result.rewards, policy_logps, result.desirable, valid, kl if uses_kl else None)

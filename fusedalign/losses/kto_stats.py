@@ -7,16 +7,18 @@ the global batch equals TRL's mean of rank means when ranks hold equal numbers o
 and is what one process computes over the same global batch. z0 is detached, so the KL
 log-probs can be computed under `torch.no_grad()`.
 
-Metrics are detached fp32 SUMS with counts: all-reduce (sum) over ranks, optionally add over
-logging steps, then divide once with `.means()`.
+Metrics are typed (`fusedalign.metrics`): per-example statistics that declare how they reduce.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
+
+from fusedalign.metrics import Mean, MetricSet, Total, logged_as
 
 
 class KLSums(NamedTuple):
@@ -47,40 +49,39 @@ def kl_from_sums(total: Tensor, count: Tensor) -> Tensor:
     return (total / count.clamp(min=1)).clamp(min=0).detach()
 
 
-class KTOMetrics(NamedTuple):
-    """Sums over a batch (fp32): all-reduce (sum), optionally add over steps, then `means()`."""
+@dataclass(frozen=True)
+class KTOMetrics(MetricSet):
+    """Per example (`[B]`): class means of rewards and log-probs, z0, and class counts per step."""
 
-    chosen_rewards: Tensor
-    rejected_rewards: Tensor
-    chosen_logps: Tensor
-    rejected_logps: Tensor
-    num_desirable: Tensor
-    num_undesirable: Tensor
+    chosen_rewards: Mean = logged_as("rewards/chosen")
+    rejected_rewards: Mean = logged_as("rewards/rejected")
+    chosen_logps: Mean = logged_as("logps/chosen")
+    rejected_logps: Mean = logged_as("logps/rejected")
+    kl: Mean | None = logged_as("kl")
+    num_desirable: Total = logged_as("count/desirable")
+    num_undesirable: Total = logged_as("count/undesirable")
 
-    def means(self) -> dict[str, float]:
-        """rewards/*, logps/*, count/*; a class with no example in the sums is left out."""
-        n_d, n_u = float(self.num_desirable), float(self.num_undesirable)
-        out = {"count/desirable": n_d, "count/undesirable": n_u}
-        if n_d > 0:
-            out["rewards/chosen"] = float(self.chosen_rewards) / n_d
-            out["logps/chosen"] = float(self.chosen_logps) / n_d
-        if n_u > 0:
-            out["rewards/rejected"] = float(self.rejected_rewards) / n_u
-            out["logps/rejected"] = float(self.rejected_logps) / n_u
-        if n_d > 0 and n_u > 0:
-            out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
-        return out
+    derived = {"rewards/margins": lambda logged: logged["rewards/chosen"] - logged["rewards/rejected"]}
 
 
-def kto_metrics(rewards: Tensor, policy_logps: Tensor, desirable: Tensor) -> KTOMetrics:
-    """Batch sums behind rewards/chosen, rewards/rejected, logps/*, count/* from [B] tensors."""
-    d = desirable.bool()
-    r, lp = rewards.detach().float(), policy_logps.detach().float()
-    zero = r.new_zeros(())
+def kto_metrics(rewards: Tensor, policy_logps: Tensor, desirable: Tensor, valid: Tensor | None = None,
+                kl: Tensor | None = None) -> KTOMetrics:
+    """The metrics users know (rewards/*, logps/*, kl, count/*), per example.
 
-    def split(x: Tensor) -> tuple[Tensor, Tensor]:
-        return torch.where(d, x, zero).sum(), torch.where(d, zero, x).sum()
-
-    (r_d, r_u), (lp_d, lp_u) = split(r), split(lp)
-    n_d = d.float().sum()
-    return KTOMetrics(r_d, r_u, lp_d, lp_u, n_d, d.numel() - n_d)
+    Args:
+        rewards: [B] beta * log-ratios (`KTOLossOutput.rewards`).
+        policy_logps: [B] policy sequence log-probs.
+        desirable: [B] bool labels.
+        valid: [B] bool, examples with a completion token (default: all).
+        kl: scalar z0 of the step, reported once per valid example; None leaves `kl` out.
+    """
+    keep = torch.ones_like(desirable, dtype=torch.bool) if valid is None else valid.bool()
+    d = (desirable.bool() & keep).double()
+    u = (~desirable.bool() & keep).double()
+    r, lp = rewards.detach().double(), policy_logps.detach().double()
+    z0 = None if kl is None else Mean(kl.detach().double() * (d + u), d + u)
+    return KTOMetrics(
+        chosen_rewards=Mean(r * d, d), rejected_rewards=Mean(r * u, u),
+        chosen_logps=Mean(lp * d, d), rejected_logps=Mean(lp * u, u),
+        kl=z0, num_desirable=Total(d), num_undesirable=Total(u),
+    )

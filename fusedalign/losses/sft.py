@@ -7,10 +7,12 @@ to one big batch's.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from fusedalign.metrics import Mean, MetricSet, logged_as
 
 
 def sft_loss(token_logps: Tensor, mask: Tensor, num_tokens: Tensor | int | float) -> Tensor:
@@ -35,35 +37,46 @@ def sft_loss(token_logps: Tensor, mask: Tensor, num_tokens: Tensor | int | float
     return -picked.sum() / denom.clamp(min=1)
 
 
-class SFTMetrics(NamedTuple):
-    """Sums over a batch (fp32): all-reduce (sum), optionally add over steps, then `means()`."""
+@dataclass(frozen=True)
+class SFTMetrics(MetricSet):
+    """Token means over the scored tokens, per example (`[B]`)."""
 
-    num_tokens: Tensor  # scored tokens
-    correct_tokens: Tensor  # scored tokens whose argmax is the label
-    entropy: Tensor  # sum of per-token entropies over scored tokens
-
-    def means(self) -> dict[str, float]:
-        n = max(float(self.num_tokens), 1.0)
-        return {
-            "num_tokens": float(self.num_tokens),
-            "mean_token_accuracy": float(self.correct_tokens) / n,
-            "entropy": float(self.entropy) / n,
-        }
+    accuracy: Mean = logged_as("mean_token_accuracy")
+    entropy: Mean | None = logged_as("entropy")
 
 
-def sft_metrics(mask: Tensor, argmax_match: Tensor | None = None,
-                entropy: Tensor | None = None) -> SFTMetrics:
-    """Batch sums behind mean_token_accuracy and entropy, from the head's per-token statistics.
+def sft_metrics(mask: Tensor, argmax_match: Tensor | None = None, entropy: Tensor | None = None,
+                examples: Tensor | None = None, num_examples: int | None = None) -> SFTMetrics:
+    """mean_token_accuracy and entropy from the head's per-token statistics.
 
     Args:
-        mask: [B, T] or [N], True where a token is scored.
+        mask: [B, T], True where a token is scored.
         argmax_match: same shape, bool, argmax of the logits == label (None: counted as 0).
-        entropy: same shape, per-token entropy (None: counted as 0).
+        entropy: same shape, per-token entropy (None: no entropy metric).
+        examples: [B, T] long, the example each position belongs to (a padding-free row holds
+            several); default: each row is one example.
+        num_examples: how many examples `examples` numbers (default: its maximum + 1).
     """
     mask = mask.bool()
-    zero = torch.zeros((), device=mask.device)
 
-    def masked_sum(x: Tensor | None) -> Tensor:
-        return zero if x is None else torch.where(mask, x.detach().float(), zero).sum()
+    def per_example(x: Tensor | None) -> Tensor:
+        values = torch.zeros(mask.shape, dtype=torch.float64, device=mask.device) if x is None else \
+            torch.where(mask, x.detach().double(), torch.zeros((), dtype=torch.float64, device=mask.device))
+        if examples is None:
+            return values.sum(-1)
+        count = num_examples if num_examples is not None else int(examples.max()) + 1
+        return values.new_zeros(count).index_add_(0, examples.reshape(-1), values.reshape(-1))
 
-    return SFTMetrics(mask.float().sum(), masked_sum(argmax_match), masked_sum(entropy))
+    tokens = per_example(mask)
+    return SFTMetrics(
+        accuracy=Mean(per_example(argmax_match), tokens),
+        entropy=None if entropy is None else Mean(per_example(entropy), tokens),
+    )
+
+
+def sft_batch_loss(token_logps: Tensor, mask: Tensor, argmax_match: Tensor | None = None,
+                   entropy: Tensor | None = None, examples: Tensor | None = None,
+                   num_examples: int | None = None) -> tuple[Tensor, SFTMetrics]:
+    """One SFT micro-batch: the NLL SUM of its label tokens (the trainer divides by the
+    step's global token count) and its metrics; arguments as `sft_metrics`."""
+    return sft_loss(token_logps, mask, num_tokens=1), sft_metrics(mask, argmax_match, entropy, examples, num_examples)

@@ -1,61 +1,69 @@
-"""What every fusedalign trainer shares: global loss normalisation, metrics, logging.
+"""The seam every fusedalign trainer is built on.
 
-A subclass implements two things:
-  - `count_items(inputs)`: how many loss units (pairs, examples, tokens) a micro-batch
-    holds, computed from the batch alone before any forward, as a 0-dim tensor on the
-    batch's device (so that counting never waits for the GPU);
-  - `loss_and_metrics(model, inputs, mode)`: the SUM of the per-unit losses of the
-    micro-batch and a dict of metric sums and counts.
-The base turns the sum into a loss normalised by the global number of units in the
-optimizer step (all micro-batches, all ranks), so the update does not depend on how a
-global batch is split across gradient-accumulation steps and ranks.
+A trainer is a `transformers.Trainer` subclass that implements three methods, and
+nothing of the training loop, the backend or the logging:
+
+  - `prepare_step(model, batches, mode) -> batches`: called once per optimizer step with
+    that step's micro-batches (all of them, before any forward of the step), and once per
+    batch in evaluation (each evaluation batch is its own step). Per-step work goes here:
+    reference log-probs, KTO's KL reference point over the whole step, GRPO's generation
+    and scoring. It returns the micro-batches the step trains on (the same dicts, with
+    keys added, or new ones); each returned batch is marked prepared.
+  - `count_items(inputs) -> Tensor []`: how many loss units (pairs, examples, tokens) a
+    prepared micro-batch holds, from the batch alone, as a 0-dim tensor on its device (so
+    that counting never waits for the device).
+  - `loss_and_metrics(model, inputs, mode) -> (loss_sum, metrics)`: the SUM of the
+    micro-batch's per-unit losses (connected to the graph even when it is zero) and its
+    metrics, a `fusedalign.metrics.MetricSet` (or several) whose fields declare how they
+    reduce.
+
+The base divides `loss_sum` by the number of units in the whole optimizer step over all
+ranks, so the update does not depend on how a global batch is split across ranks and
+gradient-accumulation steps. It records metrics with `MetricsRecorder` (evaluation drops
+the rows accelerate repeats, for every statistic) and logs them per window. It owns its
+counters: input tokens seen (`num_tokens`, kept in the Trainer state, so it survives a
+resume) and the state of any component registered with `checkpointed(name, obj)` (an
+object with `state_dict()`/`load_state_dict()`), written into every checkpoint and read
+back on resume.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+import json
+import os
 from typing import Any
 
 import torch
 from torch import nn
 from transformers import Trainer
 
+from fusedalign.distributed import prepare_trainer_process
 from fusedalign.head import TokenLogProbs, token_logprobs
+from fusedalign.metrics import Metrics, MetricsRecorder
 from fusedalign.trainers.callbacks import MetricsJSONLCallback
 
-Metrics = dict[str, tuple[torch.Tensor, torch.Tensor]]  # name -> (sum, count): scalars or per-example [B]
-
-
-def disable_dropout(model: nn.Module) -> None:
-    for module in model.modules():
-        if isinstance(module, nn.Dropout):
-            module.p = 0.0
+PREPARED = "_fusedalign_prepared"  # marks a micro-batch that went through prepare_step
+STATE_FILE = "fusedalign_state.json"  # checkpointed components, beside trainer_state.json
 
 
 class FusedAlignTrainer(Trainer):
-    """Base of the fusedalign trainers (a `transformers.Trainer`)."""
-
-    # Metrics logged as totals per optimizer step (example counts, say) instead of means:
-    # in training, the sum over the logging window divided by its optimizer steps; in
-    # evaluation, the sum over the evaluation. The count half of their (sum, count) is ignored.
-    sum_metrics: frozenset[str] = frozenset()
+    """Base of the fusedalign trainers (a `transformers.Trainer`); see the module docstring."""
 
     def __init__(self, *args: Any, **kwargs: Any):
+        prepare_trainer_process(kwargs.get("args"))
         super().__init__(*args, **kwargs)
         # compute_loss already divides by the global count of the whole optimizer step;
         # Trainer must not divide by the accumulation steps again.
         self.loss_is_scaled_for_ga = True
-        self._metric_totals: dict[str, dict[str, list[float]]] = {
-            "train": defaultdict(lambda: [0.0, 0.0]),
-            "eval": defaultdict(lambda: [0.0, 0.0]),
-        }
-        # Sums not yet read back to the host, per mode: names -> [2K] float64 on the device
-        # (added to each micro-batch without a host sync; read when the metrics are).
-        self._metric_pending: dict[str, dict[tuple[str, ...], torch.Tensor]] = {"train": {}, "eval": {}}
-        self._steps_since_log = 0  # optimizer steps in the current training logging window
+        self.metrics = MetricsRecorder(self.accelerator)
+        self._checkpointed: dict[str, Any] = {}
+        self._tokens_pending = torch.zeros((), dtype=torch.float64, device=self.accelerator.device)
         self.add_callback(MetricsJSONLCallback())
 
     # ---------------------------------------------------------------- subclass API
+
+    def prepare_step(self, model: nn.Module, batches: list[dict[str, Any]], mode: str) -> list[dict[str, Any]]:
+        return batches
 
     def count_items(self, inputs: dict[str, Any]) -> torch.Tensor:
         raise NotImplementedError
@@ -63,15 +71,35 @@ class FusedAlignTrainer(Trainer):
     def loss_and_metrics(self, model: nn.Module, inputs: dict[str, Any], mode: str) -> tuple[torch.Tensor, Metrics]:
         raise NotImplementedError
 
+    def count_input_tokens(self, inputs: dict[str, Any]) -> torch.Tensor:
+        """Input tokens of a prepared micro-batch, padding excluded (TRL's `num_tokens`)."""
+        if "attention_mask" in inputs:
+            return inputs["attention_mask"].sum()
+        return torch.as_tensor(inputs["input_ids"].numel(), device=inputs["input_ids"].device)
+
     # ---------------------------------------------------------------- shared helpers
 
-    def token_logprobs(self, model: nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor, **stats: bool) -> TokenLogProbs:
+    def token_logprobs(self, model: nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor, **stats: Any) -> TokenLogProbs:
         """The one way a trainer gets log-probs: fused or not, never by reading weights."""
         return token_logprobs(
             model, inputs, labels, fused=self.args.fused_head, temperature=getattr(self.args, "temperature", 1.0), **stats
         )
 
-    # ---------------------------------------------------------------- normalisation
+    def checkpointed(self, name: str, component: Any) -> Any:
+        """Registers a component whose `state_dict()` goes into every checkpoint (and returns it)."""
+        self._checkpointed[name] = component
+        return component
+
+    # ---------------------------------------------------------------- the step
+
+    def _prepared(self, model: nn.Module, batches: list[dict[str, Any]], mode: str) -> list[dict[str, Any]]:
+        if all(batch.get(PREPARED) for batch in batches):
+            return batches
+        with self.compute_loss_context_manager():
+            batches = self.prepare_step(model, batches, mode)
+        for batch in batches:
+            batch[PREPARED] = True
+        return batches
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
         batch_samples = []
@@ -80,14 +108,25 @@ class FusedAlignTrainer(Trainer):
                 batch_samples.append(next(epoch_iterator))
             except StopIteration:
                 break
-        self._steps_since_log += 1
-        counts = [torch.as_tensor(self.count_items(batch), device=device).float() for batch in batch_samples]
-        local = torch.stack(counts).sum() if counts else torch.zeros((), device=device)
-        total = self.accelerator.reduce(local, reduction="sum")
-        return batch_samples, total
+        if batch_samples:
+            self.model_wrapped.train()  # as training_step will; the step's work runs in training mode
+            batch_samples = self._prepared(self.model_wrapped, batch_samples, "train")
+        counts = [torch.stack([torch.as_tensor(self.count_items(b), device=device).double(),
+                               torch.as_tensor(self.count_input_tokens(b), device=device).double()])
+                  for b in batch_samples]
+        local = torch.stack(counts).sum(0) if counts else torch.zeros(2, dtype=torch.float64, device=device)
+        total = self.accelerator.reduce(local, reduction="sum")  # [items, input tokens] of the step, all ranks
+        self._tokens_pending = self._tokens_pending.to(total.device) + total[1]
+        return batch_samples, total[0].float()
+
+    def _track_num_input_tokens(self, inputs):
+        """Counted per step in `get_batch_samples` instead (one reduction a step, no host sync)."""
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         mode = "train" if model.training else "eval"
+        if not inputs.get(PREPARED):
+            # Evaluation, or a caller outside the training loop: the batch is its own step.
+            inputs = self._prepared(model, [inputs], mode)[0]
         loss_sum, metrics = self.loss_and_metrics(model, inputs, mode)
         if num_items_in_batch is None:
             # Evaluation (or a caller outside the training loop): a local mean.
@@ -96,7 +135,7 @@ class FusedAlignTrainer(Trainer):
             # Backends average gradients over ranks, so multiply by the world size to get
             # sum(all units) / count(all units) in the end.
             loss = loss_sum * (self.accelerator.num_processes / num_items_in_batch.clamp(min=1))
-        self._record(mode, metrics)
+        self.metrics.record(mode, metrics)
         return (loss, None) if return_outputs else loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
@@ -105,54 +144,48 @@ class FusedAlignTrainer(Trainer):
             loss = self.compute_loss(model, inputs)
         return loss.detach(), None, None
 
-    # ---------------------------------------------------------------- metrics
-
-    def _record(self, mode: str, metrics: Metrics) -> None:
-        """Adds this micro-batch's metric sums and counts, over all ranks, on the device.
-
-        Values are scalars, or per-example tensors `[B]`. In evaluation, per-example
-        values are gathered with `gather_for_metrics`, which drops the rows accelerate
-        repeats to even out the last batch across ranks; scalars are summed over ranks.
-        Nothing here waits for the GPU: the sums are read back when `_metric_sums` is
-        (at logging), so the host keeps queueing the backward pass meanwhile.
-        """
-        if not metrics:
-            return
-        names = tuple(sorted(metrics))
-        device = self.accelerator.device
-        values = [torch.as_tensor(v, dtype=torch.float64, device=device).detach() for n in names for v in metrics[n]]
-        rows = {v.shape[0] for v in values if v.dim() == 1}
-        if mode == "eval" and len(rows) == 1 and all(v.dim() == 1 for v in values):
-            flat = self.accelerator.gather_for_metrics(torch.stack(values, dim=-1)).sum(0)  # [rows, 2K] -> [2K]
-        else:
-            flat = self.accelerator.reduce(torch.stack([v.sum() for v in values]), reduction="sum")
-        pending = self._metric_pending[mode]
-        pending[names] = pending[names] + flat if names in pending else flat
+    # ---------------------------------------------------------------- logging
 
     @property
-    def _metric_sums(self) -> dict[str, dict[str, list[float]]]:
-        """Per mode, name -> [sum, count] as floats, everything recorded so far read back."""
-        for mode, pending in self._metric_pending.items():
-            for names, flat in pending.items():
-                values = flat.tolist()
-                for i, name in enumerate(names):
-                    acc = self._metric_totals[mode][name]
-                    acc[0] += values[2 * i]
-                    acc[1] += values[2 * i + 1]
-            pending.clear()
-        return self._metric_totals
+    def num_input_tokens_seen(self) -> float:
+        """Input tokens trained on so far, all ranks (padding excluded); kept in the Trainer state."""
+        pending = float(self._tokens_pending)
+        if pending:
+            self.state.num_input_tokens_seen += pending
+            self._tokens_pending.zero_()
+        return self.state.num_input_tokens_seen
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        mode = "train" if self.model.training else "eval"
+        mode = "eval" if any(key.startswith("eval_") for key in logs) else "train"
+        steps = 1
+        if mode == "train":  # optimizer steps since the last training log
+            steps = self.state.global_step - getattr(self, "_fusedalign_last_logged", 0)
+            self._fusedalign_last_logged = self.state.global_step
         prefix = "eval_" if mode == "eval" else ""
-        sums = self._metric_sums[mode]
-        steps = max(self._steps_since_log, 1) if mode == "train" else 1
-        for name, (total, count) in sums.items():
-            if name in self.sum_metrics:
-                logs[prefix + name] = total / steps
-            elif count > 0:
-                logs[prefix + name] = total / count
-        sums.clear()
-        if mode == "train":
-            self._steps_since_log = 0
+        for name, value in self.metrics.read(mode, steps).items():
+            logs[prefix + name] = value
+        if mode == "train" and "loss" in logs:
+            logs["num_tokens"] = self.num_input_tokens_seen
         super().log(logs, start_time)
+
+    # ---------------------------------------------------------------- checkpoints
+
+    def _save_checkpoint(self, model, trial) -> None:
+        _ = self.num_input_tokens_seen  # fold pending tokens into the state it saves
+        super()._save_checkpoint(model, trial)
+        if self._checkpointed and self.args.should_save:
+            folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+            state = {name: component.state_dict() for name, component in self._checkpointed.items()}
+            with open(os.path.join(folder, STATE_FILE), "w") as f:
+                json.dump(state, f, indent=1)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        path = os.path.join(checkpoint, STATE_FILE) if checkpoint else None
+        if path and os.path.isfile(path):
+            with open(path) as f:
+                state = json.load(f)
+            for name, component in self._checkpointed.items():
+                if name in state:
+                    component.load_state_dict(state[name])
+        self._fusedalign_last_logged = self.state.global_step

@@ -1,20 +1,24 @@
-"""The reference model of DPO and KTO, in its three modes, and precomputed log-probs.
+"""The reference policy, a component the DPO, KTO and GRPO trainers hold.
 
-Modes:
+Three modes:
   - a separate frozen model (default: loaded from the policy's path), prepared for the
     running backend by `fusedalign.distributed.prepare_reference_model`;
-  - the policy itself with its PEFT adapter disabled (PEFT and no reference given);
-  - none (`reference_free`): reference log-probs are zeros.
+  - the policy itself with its PEFT adapter disabled (PEFT and no reference model given;
+    LoRA on `lm_head` included, since the head runs inside its own module either way);
+  - none (DPO's `reference_free`, GRPO with beta = 0): nothing is loaded.
 
-Either way the reference forward goes through `token_logprobs`, fused like the policy.
-Precomputed log-probs are computed once per dataset, in a pass over it made when the
-first batch needs them (inside the training loop, so the model is already prepared by
-every backend), and stored by dataset row index.
+Either way the reference forward goes through the trainer's `token_logprobs`, fused like
+the policy's. Beside it, `PrecomputedLogps` optionally holds reference values for every
+row of the training and evaluation data, computed in one pass when first needed (inside
+the training loop, so that every backend has prepared the models) and keyed by the
+row's own token ids: no column is added to the user's dataset, and identical rows share
+one value.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 from typing import Any, Callable
 
 import torch
@@ -23,124 +27,147 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from fusedalign.distributed import prepare_reference_model
-from fusedalign.trainers.base import disable_dropout
+from fusedalign.models import load_model
+from fusedalign.trainers.policy import Policy, compile_layers, disable_dropout, model_dtype
 
+ROW_KEY = "row_key"  # [B] int64 content hash of each row, added by collators that are asked for it
+
+
+def load_reference_model(ref_model: nn.Module | str | None, policy: Policy, args: Any, *, needed: bool) -> nn.Module | None:
+    """The separate reference model, or None (adapter-disabled mode, or none needed).
+
+    Runs before the Trainer exists (under ZeRO-3 the arguments make `from_pretrained`
+    load it partitioned); `Reference.prepare` makes it usable under the backend after.
+    """
+    if not needed:
+        return None
+    if isinstance(ref_model, str):
+        ref_model = load_model(ref_model, dtype=model_dtype(args))
+    elif ref_model is None and not policy.is_peft:
+        path = getattr(args, "ref_model_name_or_path", None) or policy.path
+        if path is None:
+            raise ValueError("No reference model given and the policy has no path to load a copy from; pass ref_model.")
+        # The reference in the policy's own dtype (e.g. `--dtype bfloat16` without `--bf16`).
+        ref_model = load_model(path, dtype=model_dtype(args) or getattr(policy.model, "dtype", None))
+    if ref_model is not None:
+        if getattr(args, "liger_kernels", False):
+            from fusedalign.backbone import apply_liger_kernels
+
+            apply_liger_kernels(ref_model)
+        compile_layers(ref_model, args)
+    return ref_model
 
 
 class Reference:
-    """Computes reference log-probs for a batch, in whichever mode was configured."""
+    """Runs functions of the reference policy, in whichever mode was configured.
 
-    def __init__(self, model: nn.Module | None, *, use_adapter_disabled: bool):
+    Args:
+        model: the separate frozen reference, already prepared for the backend, or None.
+        adapter_disabled: with no model, use the policy with its PEFT adapter disabled.
+    """
+
+    def __init__(self, model: nn.Module | None, *, adapter_disabled: bool):
         self.model = model
-        self.use_adapter_disabled = use_adapter_disabled
+        self.adapter_disabled = adapter_disabled and model is None
 
-    @contextlib.contextmanager
-    def _adapter_disabled(self, policy: nn.Module):
-        peft_model = policy
-        while not hasattr(peft_model, "disable_adapter") and isinstance(getattr(peft_model, "module", None), nn.Module):
-            peft_model = peft_model.module
-        if not hasattr(peft_model, "disable_adapter"):
-            raise RuntimeError("No reference model and the policy has no PEFT adapter to disable.")
-        with peft_model.disable_adapter():
-            yield
+    @classmethod
+    def prepare(cls, model: nn.Module | None, accelerator: Any, *, policy_is_peft: bool, needed: bool,
+                disable_dropout_: bool) -> "Reference":
+        """The component for a trainer whose accelerator exists (after `Trainer.__init__`)."""
+        if model is not None:
+            if disable_dropout_:
+                disable_dropout(model)
+            model = prepare_reference_model(model, accelerator)
+        return cls(model, adapter_disabled=needed and policy_is_peft and model is None)
+
+    @property
+    def mode(self) -> str:
+        """"model", "adapter_disabled" or "none"."""
+        return "model" if self.model is not None else "adapter_disabled" if self.adapter_disabled else "none"
 
     def run(self, policy: nn.Module, fn: Callable[[nn.Module], Any]) -> Any:
-        """Calls `fn(model)` with the reference model, under no_grad."""
+        """`fn(model)` under no_grad with the reference model (or the adapter-disabled policy).
+
+        Raises:
+            RuntimeError: in mode "none", or when the policy has no adapter to disable.
+        """
         with torch.no_grad():
             if self.model is not None:
                 return fn(self.model)
-            if self.use_adapter_disabled:
+            if self.adapter_disabled:
                 # Call the policy as the backend wrapped it, so its hooks fire.
-                with self._adapter_disabled(policy):
+                with _adapter_disabled(policy):
                     return fn(policy)
-        raise RuntimeError("Reference.run called in reference-free mode.")
+        raise RuntimeError("Reference.run called, but the trainer has no reference (reference-free).")
 
-
-class PrecomputedLogps:
-    """Per-row reference values for one dataset, computed in one pass before use.
-
-    `compute(batch) -> Tensor [rows, K]` is evaluated on every batch of the dataset
-    (sharded over ranks); results are gathered with their row indices and stored, so
-    each rank can look up any row.
-    """
-
-    def __init__(self, name: str):
-        self.name = name
-        self.table: torch.Tensor | None = None
-
-    @property
-    def ready(self) -> bool:
-        return self.table is not None
-
-    def build(self, dataloader: DataLoader, accelerator: Any, size: int, compute: Callable[[dict], torch.Tensor]) -> None:
-        table = None
-        filled = torch.zeros(size, dtype=torch.bool)
-        bar = tqdm(dataloader, desc=f"Reference log-probs ({self.name})", disable=not accelerator.is_local_main_process)
-        for batch in bar:
-            values = compute(batch).detach().float()  # [rows, K]
-            index = batch["index"].to(values.device)
-            values, index = accelerator.gather_for_metrics((values, index))
-            values, index = values.cpu(), index.cpu()
-            if table is None:
-                table = torch.zeros(size, values.shape[-1], dtype=torch.float32)
-            table[index] = values
-            filled[index] = True
-        if table is None or not bool(filled.all()):
-            missing = (~filled).nonzero().flatten()[:5].tolist()
-            raise RuntimeError(f"Precomputing reference log-probs left rows without a value (e.g. rows {missing}).")
-        self.table = table
-
-    def lookup(self, index: torch.Tensor) -> torch.Tensor:
-        assert self.table is not None
-        return self.table[index.cpu()].to(index.device)
-
-
-
-class PrecomputedReferenceMixin:
-    """For trainers with a reference model: its set-up, and `precompute_ref_log_probs` done once.
-
-    Call `setup_reference` at the end of `__init__` (it needs the Trainer's accelerator).
-    """
-
-    def setup_reference(self, ref_model: nn.Module | None, *, is_peft: bool) -> None:
-        """Prepares the frozen reference for the backend, or the adapter-disabled mode."""
-        if ref_model is not None:
-            if self.args.disable_dropout:
-                disable_dropout(ref_model)
-            ref_model = prepare_reference_model(ref_model, self.accelerator)
-        self.ref_model = ref_model
-        self.reference = Reference(ref_model, use_adapter_disabled=is_peft and ref_model is None)
-        self._precomputed = {"train": PrecomputedLogps("train"), "eval": PrecomputedLogps("eval")}
-
-    def precomputed_reference(
-        self, model: nn.Module, index: torch.Tensor, mode: str, compute: Callable[[nn.Module, dict], torch.Tensor]
-    ) -> torch.Tensor:
-        """Reference values `[B, K]` of the rows `index`, from the one pass over every split.
-
-        Args:
-            compute: `compute(model, batch) -> [rows, K]`, the reference values of a batch.
-        """
-        if not self._precomputed[mode].ready:
-            self._precompute_all(model, compute)
-        return self._precomputed[mode].lookup(index)
-
-    def _precompute_all(self, model: nn.Module, compute: Callable[[nn.Module, dict], torch.Tensor]) -> None:
-        """One reference pass over every split, then the reference model is let go.
-
-        Holding a frozen model only to look values up would cost its whole memory for
-        the rest of training, so once every split is cached it is released.
-        """
-        for mode, dataset in (("train", self.train_dataset), ("eval", self.eval_dataset)):
-            if dataset is None or self._precomputed[mode].ready:
-                continue
-            loader = self.accelerator.prepare(
-                DataLoader(dataset, batch_size=self.args.per_device_eval_batch_size, collate_fn=self.data_collator, shuffle=False)
-            )
-            self._precomputed[mode].build(loader, self.accelerator, len(dataset), lambda batch: compute(model, batch))
-        if self.ref_model is not None:
-            self.ref_model = self.reference.model = None
-            import gc
-
+    def release(self) -> None:
+        """Lets the separate model go (its values are precomputed): it would hold its whole memory."""
+        if self.model is not None:
+            self.model = None
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def _adapter_disabled(policy: nn.Module):
+    peft_model = policy
+    while not hasattr(peft_model, "disable_adapter") and isinstance(getattr(peft_model, "module", None), nn.Module):
+        peft_model = peft_model.module
+    if not hasattr(peft_model, "disable_adapter"):
+        raise RuntimeError("No reference model and the policy has no PEFT adapter to disable.")
+    with peft_model.disable_adapter():
+        yield
+
+
+class PrecomputedLogps:
+    """Per-row reference values (`[K]` each) for the rows of some datasets, keyed by row content.
+
+    `build` evaluates `compute(batch) -> [B, K]` on every batch of each loader (sharded
+    over ranks) and gathers the results with the batches' `row_key`s, so that every
+    rank can look up any row.
+    """
+
+    def __init__(self):
+        self._values: dict[int, torch.Tensor] = {}
+        self.ready = False
+
+    def build(self, loaders: list[tuple[str, DataLoader]], accelerator: Any, compute: Callable[[dict], torch.Tensor]) -> None:
+        for name, loader in loaders:
+            bar = tqdm(loader, desc=f"Reference log-probs ({name})", disable=not accelerator.is_local_main_process)
+            for batch in bar:
+                values = compute(batch).detach().float()  # [B, K]
+                keys = batch[ROW_KEY].to(values.device)
+                values, keys = accelerator.gather_for_metrics((values, keys))
+                for key, row in zip(keys.tolist(), values.cpu()):
+                    self._values[key] = row
+        self.ready = True
+
+    @property
+    def table(self) -> torch.Tensor:
+        """Every stored row's values, `[rows, K]` (one row per distinct row content)."""
+        return torch.stack(list(self._values.values()))
+
+    def lookup(self, keys: torch.Tensor) -> torch.Tensor:
+        """Values `[B, K]` of the rows with `keys` [B], on the keys' device."""
+        try:
+            rows = [self._values[key] for key in keys.tolist()]
+        except KeyError:
+            raise RuntimeError(
+                "A batch holds a row whose reference log-probs were not precomputed (precompute_ref_log_probs covers "
+                "the trainer's train_dataset and eval_dataset; a dataset given later is not covered)."
+            ) from None
+        return torch.stack(rows).to(keys.device)
+
+
+def precompute_reference(trainer: Any, store: PrecomputedLogps, compute: Callable[[dict], torch.Tensor]) -> None:
+    """One reference pass over the trainer's training and evaluation data, then the reference is let go."""
+    loaders = []
+    for name, dataset in (("train", trainer.train_dataset), ("eval", trainer.eval_dataset)):
+        if dataset is None:
+            continue
+        loader = DataLoader(dataset, batch_size=trainer.args.per_device_eval_batch_size,
+                            collate_fn=trainer.data_collator, shuffle=False)
+        loaders.append((name, trainer.accelerator.prepare(loader)))
+    store.build(loaders, trainer.accelerator, compute)
+    trainer.reference.release()

@@ -16,19 +16,16 @@ from datasets import Dataset
 from torch import nn
 from transformers.utils import logging
 
-from fusedalign.configs import SFTConfig
-from fusedalign.data import DataError, SFTCollator, pack_dataset, position_labels, prepare_sft_dataset
 from fusedalign.attention import check_packed_attention
+from fusedalign.configs import SFTConfig
+from fusedalign.data import DataError, SFTCollator, pack_dataset, position_labels
+from fusedalign.data.splits import prepare_split
 from fusedalign.head import IGNORE_INDEX
-from fusedalign.losses import sft_loss, sft_metrics
-from fusedalign.trainers.base import FusedAlignTrainer, Metrics
-from fusedalign.trainers.common import prepare_models, tokenize_split
+from fusedalign.losses import SFTMetrics, sft_batch_loss
+from fusedalign.trainers.base import FusedAlignTrainer
+from fusedalign.trainers.policy import load_policy
 
 logger = logging.get_logger(__name__)
-
-# Input tokens of a training micro-batch, recorded with the metrics (so that it rides
-# their all-reduce) and turned into the cumulative `num_tokens` at each log.
-_TOKENS_SEEN = "_tokens_seen"
 
 
 class SFTTrainer(FusedAlignTrainer):
@@ -42,7 +39,8 @@ class SFTTrainer(FusedAlignTrainer):
         model: A causal LM or a name/path (`builtin:tiny-qwen2`, a directory, a hub id).
         args: SFTConfig.
         train_dataset, eval_dataset: Language-modeling (`text` / `messages`) or
-            prompt-completion data, standard or conversational, untokenised.
+            prompt-completion data, standard or conversational, untokenised; or tokenised
+            rows (`input_ids`, optionally `completion_mask`), used as they are.
         processing_class: The tokenizer; default: loaded from the model's path.
         peft_config: A peft LoraConfig to train an adapter instead of the full model.
     """
@@ -58,27 +56,23 @@ class SFTTrainer(FusedAlignTrainer):
         callbacks: list | None = None,
     ):
         args = args or SFTConfig()
-        models = prepare_models(model, None, args, processing_class, peft_config, reference=False)
+        policy = load_policy(model, args, processing_class, peft_config)
         padding_free = args.padding_free or args.packing
         if padding_free:
-            check_packed_attention(models.model)
-        tokenizer = models.tokenizer
-        train_dataset = self._prepare_split(train_dataset, tokenizer, args, "train")
-        eval_dataset = self._prepare_split(eval_dataset, tokenizer, args, "eval")
-        collator = SFTCollator(pad_token_id=tokenizer.pad_token_id, padding_free=padding_free)
+            check_packed_attention(policy.model)
         super().__init__(
-            model=models.model, args=args, data_collator=collator, train_dataset=train_dataset,
-            eval_dataset=eval_dataset, processing_class=tokenizer, callbacks=callbacks,
+            model=policy.model, args=args,
+            data_collator=SFTCollator(pad_token_id=policy.tokenizer.pad_token_id, padding_free=padding_free),
+            train_dataset=self._prepare_split(train_dataset, policy.tokenizer, args, "train"),
+            eval_dataset=self._prepare_split(eval_dataset, policy.tokenizer, args, "eval"),
+            processing_class=policy.tokenizer, callbacks=callbacks,
         )
-        self._total_tokens = 0.0
-
-    # ------------------------------------------------------------------ data
 
     @staticmethod
     def _prepare_split(dataset: Dataset | None, tokenizer: Any, args: SFTConfig, split: str) -> Dataset | None:
         """Tokenises (reporting truncation), checks there is something to learn, packs."""
-        dataset = tokenize_split(
-            prepare_sft_dataset, dataset, tokenizer, split, completion_only_loss=args.completion_only_loss,
+        dataset = prepare_split(
+            "sft", dataset, tokenizer, split, completion_only_loss=args.completion_only_loss,
             assistant_only_loss=args.assistant_only_loss, max_length=args.max_length,
             truncation_mode=args.truncation_mode,
         )
@@ -102,7 +96,7 @@ class SFTTrainer(FusedAlignTrainer):
                         split, rows, len(dataset), args.max_length)
         return dataset
 
-    # ------------------------------------------------------------------ counting
+    # ------------------------------------------------------------------ the step
 
     @staticmethod
     def labels(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -120,36 +114,10 @@ class SFTTrainer(FusedAlignTrainer):
         """Label tokens of the micro-batch."""
         return (self.labels(inputs) != IGNORE_INDEX).sum()
 
-    # ------------------------------------------------------------------ loss
-
-    def loss_and_metrics(self, model: nn.Module, inputs: dict[str, Any], mode: str) -> tuple[torch.Tensor, Metrics]:
+    def loss_and_metrics(self, model: nn.Module, inputs: dict[str, Any], mode: str) -> tuple[torch.Tensor, SFTMetrics]:
         labels = self.labels(inputs)
         out = self.token_logprobs(model, self.model_inputs(inputs), labels, entropy=True, argmax=True)
-        mask = labels != IGNORE_INDEX  # [B, T]
-        # The NLL *sum*; the base divides by the global label-token count.
-        loss_sum = sft_loss(out.logps, mask, num_tokens=1)
-        stats = sft_metrics(mask, out.argmax_match, out.entropy)
-        metrics: Metrics = {
-            "mean_token_accuracy": (stats.correct_tokens, stats.num_tokens),
-            "entropy": (stats.entropy, stats.num_tokens),
-        }
-        if mode == "eval":
-            # Per row, so evaluation drops the rows accelerate repeats to even out ranks.
-            tokens = mask.sum(-1).double()  # [B]
-            metrics = {
-                "mean_token_accuracy": ((out.argmax_match & mask).sum(-1).double(), tokens),
-                "entropy": ((out.entropy * mask).sum(-1).double(), tokens),
-            }
-        if mode == "train":
-            # As TRL: input tokens, padding excluded (a padding-free row has none).
-            seen = inputs["attention_mask"].sum() if "attention_mask" in inputs else inputs["input_ids"].numel()
-            metrics[_TOKENS_SEEN] = (torch.as_tensor(seen), torch.zeros(()))
-        return loss_sum, metrics
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        seen = self._metric_sums["train"].pop(_TOKENS_SEEN, None)
-        if seen is not None:
-            self._total_tokens += seen[0]
-        if self.model.training and "loss" in logs:
-            logs["num_tokens"] = self._total_tokens  # input tokens trained on so far, all ranks
-        super().log(logs, start_time)
+        # Evaluation of padding-free rows: metrics per input row (accelerate drops repeated
+        # rows by their count), which costs reading the row count back; training sums anyway.
+        examples = inputs.get("example_ids") if mode == "eval" else None
+        return sft_batch_loss(out.logps, labels != IGNORE_INDEX, out.argmax_match, out.entropy, examples)

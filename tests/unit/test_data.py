@@ -9,6 +9,7 @@ import pytest
 import torch
 from datasets import Dataset
 
+from fusedalign.data.kto import KLPairCollator
 from fusedalign.data import (
     DataError,
     DataFormat,
@@ -398,18 +399,22 @@ def test_position_labels_alignment_random():
             assert labels[b, t].item() == expected
 
 
-def test_kto_collator_kl_pairs_mismatched():
+def test_kto_collators_rows_and_fixed_kl_partners():
     rows = [{"prompt_ids": [10 + i], "completion_ids": [20 + i] * (i + 1), "label": i % 2 == 0} for i in range(3)]
     batch = KTOCollator(pad_token_id=0)(rows)
     assert batch["input_ids"].tolist() == [[10, 20, 0, 0], [11, 21, 21, 0], [12, 22, 22, 22]]
     assert batch["label"].dtype == torch.bool and batch["label"].tolist() == [True, False, True]
-    # Row i: prompt i with completion (i - 1) mod B, i.e. completion j with prompt j + 1.
+    assert "kl_input_ids" not in batch  # KL partners are fixed per row when the data is prepared
+    # Row i's KL pair: prompt i with the completion of its fixed partner, whatever the batch.
+    partners = [2, 0, 1]
+    with_kl = [{**r, "kl_completion_ids": rows[p]["completion_ids"]} for r, p in zip(rows, partners)]
+    batch = KLPairCollator(pad_token_id=0, row_keys=True)(with_kl)
     assert batch["kl_input_ids"].tolist() == [[10, 22, 22, 22], [11, 20, 0, 0], [12, 21, 21, 0]]
     assert batch["kl_completion_mask"].tolist() == [[0, 1, 1, 1], [0, 1, 0, 0], [0, 1, 1, 0]]
     assert batch["kl_attention_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]]
-    with pytest.raises(DataError, match="at least 2 rows"):
-        KTOCollator(pad_token_id=0)(rows[:1])
-    assert "kl_input_ids" not in KTOCollator(pad_token_id=0, kl=False)(rows[:1])
+    alone = KLPairCollator(pad_token_id=0, row_keys=True)(with_kl[1:2])
+    assert alone["kl_input_ids"].tolist() == [[11, 20]] and alone["row_key"].tolist() == batch["row_key"][1:2].tolist()
+    assert len(set(batch["row_key"].tolist())) == 3
 
 
 def test_sft_collator_padded_and_padding_free():

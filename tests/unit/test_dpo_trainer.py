@@ -11,9 +11,9 @@ from datasets import Dataset
 from fusedalign.configs import DPOConfig
 from fusedalign.data import load_dataset_any
 from fusedalign.losses import DPO_LOSSES, pairwise_dpo_losses
-from fusedalign.ops import loss_aware
 from fusedalign.models import load_model
 from fusedalign.trainers.dpo import DPOTrainer
+from tests.head_calls import HeadCalls
 
 MODEL = "builtin:tiny-qwen2"
 
@@ -38,10 +38,10 @@ def _train(tmp_path, dataset, calls: Counter | None = None, **overrides):
     """(per-step losses, final weights); `calls` receives how often each loss-aware path ran."""
     torch.manual_seed(0)
     trainer = DPOTrainer(model=load_model(MODEL), args=_args(tmp_path, **overrides), train_dataset=dataset)
-    before = Counter(loss_aware.CALLS)
-    trainer.train()
+    with HeadCalls() as counted:
+        trainer.train()
     if calls is not None:
-        calls.update(Counter(loss_aware.CALLS) - before)
+        calls.update(counted)
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     return losses, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
 
@@ -136,12 +136,13 @@ def test_a_batch_with_no_completion_tokens_gives_zero_loss_and_a_connected_graph
 def test_metrics_and_item_counts_wait_for_nothing_on_the_host(tmp_path, zen, monkeypatch):
     """Recording a micro-batch's metrics and counting a step's pairs read nothing back from
     the device (on a GPU, a read-back there would stall the host before the backward); the
-    sums read back at logging are exactly those recorded."""
+    values read back at logging are exactly those recorded."""
     trainer = DPOTrainer(model=load_model(MODEL), args=_args(tmp_path), train_dataset=zen)
     batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    batch = trainer._prepared(trainer.model, [batch], "train")[0]  # the reference pass of the step
     with torch.no_grad():
         _, metrics = trainer.loss_and_metrics(trainer.model, batch, "train")
-    expected_pairs = float(trainer._valid_pairs(trainer._labels(batch)).sum())
+    expected_pairs = float(trainer.count_items(batch))
 
     def read_back(*_a, **_k):
         raise AssertionError("a tensor was read back to the host")
@@ -149,12 +150,13 @@ def test_metrics_and_item_counts_wait_for_nothing_on_the_host(tmp_path, zen, mon
     with monkeypatch.context() as m:
         for name in ("tolist", "item", "__int__", "__float__", "__bool__", "cpu", "numpy"):
             m.setattr(torch.Tensor, name, read_back)
-        trainer._record("train", metrics)
-        trainer._record("train", metrics)
+        trainer.metrics.record("train", metrics)
+        trainer.metrics.record("train", metrics)
         _, total = trainer.get_batch_samples(iter([batch, batch, batch]), 3, batch["input_ids"].device)
     assert float(total) == 3 * expected_pairs
-    sums = trainer._metric_sums["train"]
-    assert set(sums) == set(metrics)
-    for name, (value, count) in metrics.items():
-        assert sums[name][0] == pytest.approx(2 * float(value.double().sum()), rel=1e-12, abs=1e-12), name
-        assert sums[name][1] == pytest.approx(2 * float(count.double().sum()), rel=1e-12, abs=1e-12), name
+    logged = trainer.metrics.read("train")
+    stats = dict(metrics.stats())
+    assert set(logged) == set(stats)
+    for name, stat in stats.items():  # every DPO metric is a mean: twice the sums over twice the counts
+        want = 2 * float(stat.sum.double().sum()) / (2 * float(stat.count.double().sum()))
+        assert logged[name] == pytest.approx(want, rel=1e-12, abs=1e-12), name

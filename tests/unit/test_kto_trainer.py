@@ -14,7 +14,8 @@ from fusedalign.configs import KTOConfig
 from fusedalign.data import DataError, load_dataset_any, position_labels
 from fusedalign.head import token_logprobs
 from fusedalign.models import load_model, load_tokenizer
-from fusedalign.trainers.kto import KTOTrainer, kl_partners
+from fusedalign.data.kto import kl_partners
+from fusedalign.trainers.kto import KTOTrainer
 
 MODEL = "builtin:tiny-qwen2"
 ROWS = 24
@@ -131,7 +132,7 @@ def test_precomputed_reference_equals_on_the_fly_and_skips_the_reference(tmp_pat
     _assert_same_run(precomputed, baseline)
     # One pass over the dataset, completions and KL pairs stacked (2 x 8 rows), then never again.
     assert rows_seen == [16] * (ROWS // 8)
-    table = trainer._precomputed["train"].table
+    table = trainer.reference_store.table
     assert table.shape == (ROWS, 2) and bool((table[:, 1] != 0).all())
 
 
@@ -159,7 +160,9 @@ def test_z0_and_loss_match_a_hand_computation_and_no_gradient_flows_through_z0(t
     got = {n: p.grad.clone() for n, p in policy.named_parameters()}
 
     policy.zero_grad()
-    index = batch["index"].tolist()
+    index = list(range(batch["input_ids"].shape[0]))  # sequential order: the first batch holds rows 0..B-1
+    first = rows[0]["prompt_ids"] + rows[0]["completion_ids"]
+    assert batch["input_ids"][0, :len(first)].tolist() == first
     with torch.no_grad():
         kl = [_sequence_logps(policy, rows[i]["prompt_ids"], rows[i]["kl_completion_ids"])
               - _sequence_logps(reference, rows[i]["prompt_ids"], rows[i]["kl_completion_ids"]) for i in index]
@@ -190,7 +193,7 @@ def test_peft_reference_is_the_policy_with_its_adapter_disabled(tmp_path, zen):
     trainer = KTOTrainer(_policy(), args=_args(tmp_path, max_steps=2), train_dataset=zen, peft_config=lora)
     assert trainer.ref_model is None
     batch = _first_batch(trainer)
-    trainer._add_reference_and_kl(trainer.model, [batch], "eval")
+    trainer.prepare_step(trainer.model, [batch], "eval")
     base = _policy()
     labels = position_labels(batch["input_ids"], batch["completion_mask"])
     inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
@@ -227,9 +230,9 @@ def test_one_class_data_warns_and_gives_finite_connected_losses(tmp_path, zen, w
     loss.backward()
     for name, param in trainer.model.named_parameters():
         assert param.grad is not None and bool(torch.isfinite(param.grad).all()), name
-    metrics = trainer._metric_sums["train" if trainer.model.training else "eval"]
+    metrics = trainer.metrics.read("train" if trainer.model.training else "eval")
     absent = "count/undesirable" if label else "count/desirable"
-    assert metrics[absent][0] == 0
+    assert metrics[absent] == 0
 
 
 def test_metrics_counts_are_per_step_totals_and_margins_derived(tmp_path, zen, warm_state):

@@ -5,9 +5,10 @@ import math
 import pytest
 import torch
 
+from fusedalign.metrics import logged_values
+
 from fusedalign.losses import (
     DPO_LOSSES,
-    DPOMetrics,
     bco_reward_mean,
     check_dpo_args,
     dpo_losses,
@@ -270,17 +271,20 @@ def test_metrics_are_sums_that_reduce_over_ranks():
     cr = torch.tensor([0.5, -0.2, 0.1, 0.0])
     rr = torch.tensor([0.1, 0.3, -0.4, 0.0])  # last pair ties: not counted as accurate
     cl, rl = torch.tensor([-1.0, -2.0, -3.0, -4.0]), torch.tensor([-5.0, -6.0, -7.0, -8.0])
-    m = dpo_metrics(cr, rr, cl, rl).means()
+    metrics = dpo_metrics(cr, rr, cl, rl)
+    m = metrics.logged()
     assert m["rewards/chosen"] == pytest.approx(0.1)
-    assert m["rewards/rejected"] == pytest.approx(0.0)
+    assert m["rewards/rejected"] == pytest.approx(0.0, abs=1e-7)  # fp32 inputs summed in fp64
     assert m["rewards/accuracies"] == pytest.approx(0.5)
     assert m["rewards/margins"] == pytest.approx(0.1)
     assert m["logps/chosen"] == pytest.approx(-2.5) and m["logps/rejected"] == pytest.approx(-6.5)
-    # Two "ranks" of unequal size: all-reduce(sum) of the stacked sums gives the same means.
+    # Two "ranks" of unequal size, reduced into one window, give the same means.
     ranks = [dpo_metrics(cr[i], rr[i], cl[i], rl[i]) for i in (slice(0, 1), slice(1, None))]
-    reduced = DPOMetrics(*(torch.stack(list(ranks[0])) + torch.stack(list(ranks[1]))))
-    assert reduced.means() == pytest.approx(m, abs=1e-6)
-    assert all(not t.requires_grad and t.dtype == torch.float32 for t in reduced)
+    assert logged_values(*ranks) == pytest.approx(m, abs=1e-6)
+    # A pair with nothing to score counts nowhere.
+    masked = dpo_metrics(cr, rr, cl, rl, valid=torch.tensor([True, True, True, False])).logged()
+    assert masked["logps/chosen"] == pytest.approx(-2.0) and masked["rewards/accuracies"] == pytest.approx(2 / 3)
+    assert all(not t.requires_grad for _, stat in metrics.stats() for t in (stat.sum, stat.count))
 
 
 def test_bco_reward_mean():

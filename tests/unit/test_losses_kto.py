@@ -5,9 +5,10 @@ import math
 import pytest
 import torch
 
+from fusedalign.metrics import logged_values
+
 from fusedalign.losses import (
     KTO_LOSSES,
-    KTOMetrics,
     check_kto_args,
     kl_estimate,
     kl_from_sums,
@@ -107,7 +108,7 @@ def test_one_class_or_empty_batch_is_finite_and_connected(loss_type, labels):
     assert torch.isfinite(loss) and loss.requires_grad
     loss.backward()
     assert policy.grad is not None and torch.isfinite(policy.grad).all()
-    metrics = kto_metrics(out.rewards, policy, out.desirable).means()
+    metrics = kto_metrics(out.rewards, policy, out.desirable).logged()
     assert all(math.isfinite(v) for v in metrics.values())
 
 
@@ -167,7 +168,7 @@ def test_metrics_sums_reduce_and_skip_a_missing_class():
     rewards = torch.tensor([0.4, -0.2, 0.6, -0.6])
     logps = torch.tensor([-1.0, -2.0, -3.0, -4.0])
     m = kto_metrics(rewards, logps, torch.tensor(DESIRABLE))
-    means = m.means()
+    means = m.logged()
     assert means["rewards/chosen"] == pytest.approx(0.5)
     assert means["rewards/rejected"] == pytest.approx(-0.4)
     assert means["rewards/margins"] == pytest.approx(0.9)
@@ -176,8 +177,7 @@ def test_metrics_sums_reduce_and_skip_a_missing_class():
     assert means["count/desirable"] == 2 and means["count/undesirable"] == 2
     ranks = [kto_metrics(rewards[i:i + 2], logps[i:i + 2], torch.tensor(DESIRABLE[i:i + 2]))
              for i in (0, 2)]
-    reduced = KTOMetrics(*(torch.stack(list(ranks[0])) + torch.stack(list(ranks[1]))))
-    assert reduced.means() == pytest.approx(means)
-    only = kto_metrics(rewards[:1], logps[:1], torch.tensor([True])).means()
+    assert logged_values(*ranks) == pytest.approx(means)
+    only = kto_metrics(rewards[:1], logps[:1], torch.tensor([True])).logged()
     assert "rewards/rejected" not in only and "rewards/margins" not in only
     assert only["rewards/chosen"] == pytest.approx(0.4) and only["count/undesirable"] == 0

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from fusedalign.losses import SFTMetrics, sft_loss, sft_metrics
+from fusedalign.losses import sft_loss, sft_metrics
+from fusedalign.metrics import logged_values
 
 LOGPS = torch.tensor([[-0.5, -1.0, -2.0, -4.0], [-0.25, -3.0, -8.0, -0.125]]).double()
 MASK = torch.tensor([[False, True, True, False], [True, True, True, True]])
@@ -60,18 +61,23 @@ def test_metrics_are_sums_over_scored_tokens():
     match = torch.tensor([[True, True, False, True], [False, True, True, True]])
     entropy = torch.tensor([[9.0, 1.0, 2.0, 9.0], [0.5, 1.5, 3.0, 4.0]])
     m = sft_metrics(MASK, match, entropy)
-    assert m.num_tokens.item() == 6 and m.correct_tokens.item() == 4 and m.entropy.item() == 12.0
-    means = m.means()
+    assert m.accuracy.count.sum().item() == 6 and m.accuracy.sum.sum().item() == 4
+    assert m.entropy.sum.sum().item() == 12.0
+    means = m.logged()
     assert means["mean_token_accuracy"] == pytest.approx(4 / 6)
     assert means["entropy"] == pytest.approx(2.0)
-    assert means["num_tokens"] == 6
     ranks = [sft_metrics(MASK[i:i + 1], match[i:i + 1], entropy[i:i + 1]) for i in (0, 1)]
-    reduced = SFTMetrics(*(torch.stack(list(ranks[0])) + torch.stack(list(ranks[1]))))
-    assert reduced.means() == pytest.approx(means)
+    assert logged_values(*ranks) == pytest.approx(means)
+    # A padding-free row holding both examples gives the same per-example values.
+    examples = torch.tensor([[0] * 4 + [1] * 4])
+    flat = sft_metrics(MASK.reshape(1, 8), match.reshape(1, 8), entropy.reshape(1, 8), examples)
+    torch.testing.assert_close(flat.accuracy.sum, m.accuracy.sum.double())
+    torch.testing.assert_close(flat.entropy.count, m.entropy.count.double())
 
 
 def test_metrics_without_statistics_or_tokens():
     m = sft_metrics(MASK)
-    assert m.correct_tokens.item() == 0 and m.entropy.item() == 0
+    assert m.accuracy.sum.sum().item() == 0 and m.entropy is None
+    # Nothing scored: nothing is logged (a mean over no token is not 0).
     empty = sft_metrics(torch.zeros(2, 3, dtype=torch.bool), torch.ones(2, 3, dtype=torch.bool))
-    assert empty.means() == {"num_tokens": 0.0, "mean_token_accuracy": 0.0, "entropy": 0.0}
+    assert empty.logged() == {}

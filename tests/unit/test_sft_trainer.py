@@ -156,12 +156,12 @@ def test_metrics_equal_the_unfused_computation_and_num_tokens_counts_inputs(tmp_
         labels = trainer.labels(batch)
         logits = trainer.model(**trainer.model_inputs(batch)).logits  # [B, T, V]
     mask = labels != IGNORE_INDEX
-    correct, count = metrics["mean_token_accuracy"]  # per row in evaluation
+    correct, count = metrics.accuracy.sum, metrics.accuracy.count  # per row
     assert correct.shape == count.shape == (labels.shape[0],)
     assert int(count.sum()) == int(mask.sum()) == trainer.count_items(batch)
     assert int(correct.sum()) == int((logits.argmax(-1) == labels)[mask].sum())
     entropy = logprobs_from_logits(logits, labels, entropy=True).entropy
-    torch.testing.assert_close(float(metrics["entropy"][0].sum()), float(entropy[mask].sum()), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(float(metrics.entropy.sum.sum()), float(entropy[mask].sum()), rtol=1e-5, atol=1e-5)
 
     trainer.train()
     logged = [h for h in trainer.state.log_history if "loss" in h]

@@ -1,0 +1,97 @@
+"""A trainer's view of a dataset split: validated, tokenised (or taken as tokenised), truncation reported.
+
+A split whose columns are already token ids (DPO: `prompt_ids`, `chosen_ids`,
+`rejected_ids`; KTO: `prompt_ids`, `completion_ids`, `label`; SFT: `input_ids` and
+optionally `completion_mask`) is used as it is: no text tokenisation, the same
+truncation rules, no column added.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from .formats import DataError
+from .tokenize import prepare_dpo_dataset, prepare_kto_dataset, prepare_sft_dataset, truncate_pair
+
+logger = logging.getLogger(__name__)
+
+TOKENISED_COLUMNS: dict[str, tuple[str, ...]] = {
+    "dpo": ("prompt_ids", "chosen_ids", "rejected_ids"),
+    "kto": ("prompt_ids", "completion_ids", "label"),
+    "sft": ("input_ids",),
+}
+_PREPARE = {"dpo": prepare_dpo_dataset, "kto": prepare_kto_dataset, "sft": prepare_sft_dataset}
+
+
+def is_tokenised(dataset: Any, kind: str) -> bool:
+    """Whether `dataset` already holds the token-id columns of trainer `kind`."""
+    return set(TOKENISED_COLUMNS[kind]) <= set(dataset.column_names)
+
+
+def prepare_split(kind: str, dataset: Any, tokenizer: Any, split: str, **options: Any) -> Any:
+    """The split ready for trainer `kind` ("dpo", "kto", "sft"); None stays None.
+
+    Args:
+        kind: the trainer.
+        dataset: a `datasets.Dataset`, text (any format the trainer reads) or tokenised.
+        tokenizer: the policy's tokenizer.
+        split: "train" or "eval", for messages.
+        **options: the tokenisation options of `data.prepare_<kind>_dataset` (truncation).
+
+    Raises:
+        DataError: bad columns or rows (naming the split, row and column).
+    """
+    if dataset is None:
+        return None
+    if is_tokenised(dataset, kind):
+        dataset, truncated = _truncate_tokenised(kind, dataset, split, options)
+        rows = len(dataset)
+    else:
+        dataset, stats = _PREPARE[kind](dataset, tokenizer, **options)
+        truncated, rows = stats.num_truncated, stats.num_rows
+    if truncated:
+        logger.warning("%s split: %d of %d rows were truncated to fit max_length/max_prompt_length (none were dropped).",
+                       split, truncated, rows)
+    return dataset
+
+
+def _truncate_tokenised(kind: str, dataset: Any, split: str, options: dict[str, Any]) -> tuple[Any, int]:
+    columns = TOKENISED_COLUMNS[kind]
+    if len(dataset) == 0:
+        raise DataError(f"{split} split is empty: expected at least one row")
+    completions = {"dpo": ("chosen_ids", "rejected_ids"), "kto": ("completion_ids",), "sft": ()}[kind]
+    keep = [c for c in dataset.column_names if c in columns or c in ("completion_mask", "kl_completion_ids")]
+
+    def truncate(row: dict, index: int) -> dict:
+        for column in columns:
+            value = row[column]
+            ok = isinstance(value, bool) if column == "label" else (
+                isinstance(value, list) and all(isinstance(t, int) for t in value))
+            if not ok:
+                what = "a boolean" if column == "label" else "a list of token ids (ints)"
+                raise DataError(f"{split} split, row {index} (from 0), column {column!r}: expected {what}, "
+                                f"got {type(value).__name__}")
+        if kind == "sft":
+            return _truncate_sft(row, options)
+        prompt, outs, cut = truncate_pair(
+            row["prompt_ids"], [row[c] for c in completions], max_prompt_length=options.get("max_prompt_length"),
+            max_completion_length=options.get("max_completion_length"), max_length=options.get("max_length"),
+            truncation_mode=options.get("truncation_mode", "keep_end"),
+        )
+        return {"prompt_ids": prompt, **dict(zip(completions, outs)), "_truncated": cut}
+
+    out = dataset.select_columns(keep).map(truncate, with_indices=True, desc=f"Truncating ({split})")
+    truncated = int(sum(out["_truncated"]))
+    return out.remove_columns("_truncated"), truncated
+
+
+def _truncate_sft(row: dict, options: dict[str, Any]) -> dict:
+    ids = row["input_ids"]
+    mask = row.get("completion_mask") or [1] * len(ids)
+    limit = options.get("max_length")
+    cut = limit is not None and len(ids) > limit
+    if cut:
+        part = slice(0, limit) if options.get("truncation_mode", "keep_start") == "keep_start" else slice(len(ids) - limit, None)
+        ids, mask = ids[part], mask[part]
+    return {"input_ids": ids, "completion_mask": mask, "_truncated": cut}

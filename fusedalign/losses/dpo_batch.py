@@ -1,0 +1,81 @@
+"""One DPO micro-batch: the summed loss of its pairs and its metrics.
+
+The trainer's step: policy and reference sequence log-probs of 2B rows (rows `[:B]`
+chosen, `[B:]` rejected) in, `(sum of the valid pairs' losses, DPOMetrics)` out; the
+trainer's base divides by the valid pairs of the whole optimizer step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from .dpo import DPOLossOutput, pair_losses
+from .dpo_metrics import DPOMetrics, dpo_metrics
+from .dpo_types import DPOOptions, PairLogps
+
+
+def split_pairs(policy: Tensor, reference: Tensor, lengths: Tensor) -> PairLogps:
+    """[2B] policy and reference sequence log-probs and completion lengths -> `PairLogps` of B pairs."""
+    half = policy.shape[0] // 2
+    return PairLogps(policy[:half], policy[half:], reference[:half], reference[half:],
+                     lengths[:half].clamp(min=1), lengths[half:].clamp(min=1))
+
+
+def valid_pairs(lengths: Tensor) -> Tensor:
+    """[B] bool: pairs whose chosen and rejected (rows `[:B]`, `[B:]` of `lengths` [2B]) keep a token."""
+    half = lengths.shape[0] // 2
+    return (lengths[:half] > 0) & (lengths[half:] > 0)
+
+
+def dpo_batch_loss(
+    policy: Tensor,
+    reference: Tensor,
+    lengths: Tensor,
+    plan: Sequence[tuple[str, float]],
+    opts: DPOOptions,
+    *,
+    logit_sums: Tensor | None = None,
+) -> tuple[Tensor, DPOMetrics]:
+    """The sum over valid pairs of the DPO losses, and the batch's metrics.
+
+    Args:
+        policy: [2B] policy sequence log-probs (chosen rows, then rejected).
+        reference: [2B] reference sequence log-probs (zeros when reference-free).
+        lengths: [2B] completion tokens of each row.
+        plan: the validated (loss type, weight) list (`check_dpo_args`).
+        opts: the loss options.
+        logit_sums: [2B] per-row sums of each scored position's mean logit, for logits/*.
+
+    Returns:
+        The loss sum (pairs with nothing to score contribute zero but stay in the graph)
+        and `DPOMetrics`.
+    """
+    result: DPOLossOutput = pair_losses(split_pairs(policy, reference.to(policy.dtype), lengths), plan, opts)
+    valid = valid_pairs(lengths)
+    loss_sum = (result.losses * valid.to(result.losses.dtype)).sum()
+    half = policy.shape[0] // 2
+    seq = policy.detach()
+    extra = {}
+    if logit_sums is not None:
+        extra = dict(chosen_logit_sums=logit_sums[:half], rejected_logit_sums=logit_sums[half:],
+                     chosen_tokens=lengths[:half], rejected_tokens=lengths[half:])
+    metrics = dpo_metrics(result.chosen_rewards, result.rejected_rewards, seq[:half], seq[half:], valid, **extra)
+    return loss_sum, metrics
+
+
+def pair_loss_gradient(reference: Tensor, lengths: Tensor, plan: Sequence[tuple[str, float]], opts: DPOOptions):
+    """d(sum of the valid pairs' losses) / d(policy row sums), as a function of the row sums [2B].
+
+    What the loss-aware head needs to form its gradient in the forward.
+    """
+    valid = valid_pairs(lengths)
+
+    def grad(sums: Tensor) -> Tensor:
+        sums = sums.detach().requires_grad_()
+        losses = pair_losses(split_pairs(sums, reference.to(sums.dtype), lengths), plan, opts).losses
+        return torch.autograd.grad((losses * valid.to(sums.dtype)).sum(), sums)[0]
+
+    return grad
