@@ -28,7 +28,6 @@ backward instead would stall the device while the host queues the rest of it (me
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import NamedTuple
 
 import torch
@@ -50,14 +49,6 @@ from fusedalign.ops.options import (
 # g may differ from alpha * c by rounding only: c and g come from the same sums through
 # the same loss, in fp32. A larger residual means another loss (an extra per-token term).
 MATCH_RTOL = 1e-4
-
-# How often each path ran in this process: "forward" (loss-aware forwards), "backward"
-# (backwards that returned the stored gradients), "mismatch" (backwards whose upstream
-# gradient was not of the declared form: they raised), "over_budget" (a group did not fit
-# the block budget: the ordinary path ran). Tests and the parity runner read it; nothing
-# in the library depends on it.
-CALLS: Counter = Counter()
-
 
 class DeclaredLossMismatch(RuntimeError):
     """The upstream gradient of a loss-aware call was not that of its declared SequenceLoss."""
@@ -137,11 +128,9 @@ def loss_aware_head_logprobs(
     v = weight.shape[0]
     blocks = plan_blocks(loss, v, math.bytes_per_logit(hidden.dtype, opts), hidden.device, budget_bytes)
     if blocks is None:
-        CALLS["over_budget"] += 1
         return None
     plan = _Plan(blocks, loss, math)
     logps, entropy, mean, match = _LossAwareHead.apply(hidden, weight, labels, bias, plan, opts)
-    CALLS["forward"] += 1
     return HeadOutput(logps, entropy, mean, match, backend=name, loss_aware=True)
 
 
@@ -164,7 +153,6 @@ class _LossAwareHead(torch.autograd.Function):
         coef, g_h, g_w, g_b = ctx.saved_tensors
         alpha, check = _fit_scale(grad_logps, coef)
         _check_at_end_of_backward(check)
-        CALLS["backward"] += 1
         grads = [None if acc is None else _scaled_cast(acc, alpha, dtype)
                  for acc, dtype in zip((g_h, g_w, g_b), ctx.dtypes)]
         return grads[0], grads[1], None, grads[2], None, None
@@ -239,7 +227,6 @@ def _verify_pending() -> None:
             # are, and whatever handles that upstream (GradScaler skipping the step) does.
             continue
         if not resid <= MATCH_RTOL * scale:  # also when resid is NaN
-            CALLS["mismatch"] += 1
             raise DeclaredLossMismatch(
                 "fusedalign head: the upstream gradient of a loss-aware head_logprobs call is not the gradient "
                 f"of its declared SequenceLoss (residual {resid:.3g} against max |gradient| {scale:.3g}), so the "

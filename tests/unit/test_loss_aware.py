@@ -16,7 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fusedalign.ops import BlockForward, BlockMath, DeclaredLossMismatch, LowRank, SequenceLoss, head_logprobs, loss_aware
+from fusedalign.ops import BlockForward, BlockMath, DeclaredLossMismatch, LowRank, SequenceLoss, head_logprobs
+from tests.head_calls import HeadCalls
 from tests.unit.test_ops import NumelRecorder, fro_err, make_problem, rel_err
 
 
@@ -74,11 +75,10 @@ def test_values_and_every_gradient_equal_the_ordinary_op(options, dtype, budget_
     v = p["weight"].shape[0]
     # A pair keeps ~15 of its 22 rows; the torch backend's block holds cdt bytes per logit.
     budget = None if budget_rows is None else budget_rows * v * dtype.itemsize * (2 if "softcap" in kw else 1)
-    before = Counter(loss_aware.CALLS)
-    want_out, want_loss, want = loss_and_grads(p, backend="torch", **kw)
-    got_out, got_loss, got = loss_and_grads(p, sequence_loss=declared(p["segments"], p["ref"]), backend="torch",
-                                            block_budget_bytes=budget, **kw)
-    calls = Counter(loss_aware.CALLS) - before
+    with HeadCalls() as calls:
+        want_out, want_loss, want = loss_and_grads(p, backend="torch", **kw)
+        got_out, got_loss, got = loss_and_grads(p, sequence_loss=declared(p["segments"], p["ref"]), backend="torch",
+                                                block_budget_bytes=budget, **kw)
     assert got_out.loss_aware and not want_out.loss_aware
     assert calls == Counter(forward=1, backward=1), calls
     tol = 1e-12 if dtype == torch.float64 else 2e-6
@@ -110,10 +110,9 @@ def test_any_scale_of_the_declared_loss_is_fitted(scale):
 def test_a_loss_other_than_the_declared_one_raises_at_the_end_of_backward():
     p = pair_problem(seed=4)
     extra = lambda logps: 1e-2 * logps.square().sum()  # noqa: E731  a per-token term not in the declaration
-    before = Counter(loss_aware.CALLS)
-    with pytest.raises(DeclaredLossMismatch, match="not the gradient of its declared SequenceLoss"):
+    with HeadCalls() as calls, pytest.raises(DeclaredLossMismatch, match="not the gradient of its declared SequenceLoss"):
         loss_and_grads(p, extra=extra, sequence_loss=declared(p["segments"], p["ref"]), backend="torch")
-    assert (Counter(loss_aware.CALLS) - before) == Counter(forward=1, backward=1, mismatch=1)
+    assert calls == Counter(forward=1, backward=1, mismatch=1)
     # Nothing is left pending: the next backward is checked on its own.
     loss_and_grads(p, sequence_loss=declared(p["segments"], p["ref"]), backend="torch")
 
@@ -137,12 +136,12 @@ def test_the_check_runs_before_backward_returns_and_before_grads_are_used():
 def test_a_group_over_the_budget_runs_the_ordinary_op():
     p = pair_problem(seed=6)
     v = p["weight"].shape[0]
-    before = Counter(loss_aware.CALLS)
-    out, _, got = loss_and_grads(p, sequence_loss=declared(p["segments"], p["ref"]), backend="torch",
-                                 block_budget_bytes=4 * v * 8)  # 4 rows: no pair fits
-    _, _, want = loss_and_grads(p, backend="torch")
+    with HeadCalls() as calls:
+        out, _, got = loss_and_grads(p, sequence_loss=declared(p["segments"], p["ref"]), backend="torch",
+                                     block_budget_bytes=4 * v * 8)  # 4 rows: no pair fits
+        _, _, want = loss_and_grads(p, backend="torch")
     assert not out.loss_aware
-    assert (Counter(loss_aware.CALLS) - before) == Counter(over_budget=1)
+    assert calls == Counter(over_budget=1)
     for g, w in zip(got, want):
         assert rel_err(g, w) == 0
 
@@ -249,18 +248,19 @@ def test_a_non_finite_upstream_gradient_propagates_and_is_not_a_mismatch():
     # fp16 loss scaling overflows, a NaN loss: the gradients come back non-finite, as the
     # ordinary op's would, for GradScaler (or the user) to see.
     p = pair_problem(seed=14)
-    before = Counter(loss_aware.CALLS)
-    _, _, got = loss_and_grads(p, scale=float("inf"), sequence_loss=declared(p["segments"], p["ref"]),
-                               backend="torch")
-    assert (Counter(loss_aware.CALLS) - before)["mismatch"] == 0
+    with HeadCalls() as calls:
+        _, _, got = loss_and_grads(p, scale=float("inf"), sequence_loss=declared(p["segments"], p["ref"]),
+                                   backend="torch")
+    assert calls["mismatch"] == 0 and calls["backward"] == 1
     assert all(not torch.isfinite(g).all() for g in got)
 
 
-def test_no_warning_when_the_declaration_holds():
+def test_a_declaration_that_holds_raises_nothing_and_warns_nothing():
     p = pair_problem(seed=12)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), HeadCalls() as calls:
         warnings.simplefilter("error")
         loss_and_grads(p, scale=0.25, sequence_loss=declared(p["segments"], p["ref"]), backend="torch")
+    assert calls == Counter(forward=1, backward=1)
 
 
 class PlainBlocks(BlockMath):
@@ -314,3 +314,18 @@ def test_the_block_protocol_is_all_a_backend_needs(monkeypatch):
     assert torch.equal(got_out.argmax_match, want_out.argmax_match)
     for name, g, w in zip(("hidden", "weight", "bias"), got, want):
         assert rel_err(g, w) <= 1e-12, name
+
+
+def test_the_call_counter_restores_what_it_wraps():
+    from fusedalign.ops import api, loss_aware
+
+    originals = (api.loss_aware_head_logprobs, loss_aware._LossAwareHead.__dict__["backward"], loss_aware._verify_pending)
+    p = pair_problem(seed=16)
+    with HeadCalls() as calls:
+        loss_and_grads(p, sequence_loss=declared(p["segments"], p["ref"]), backend="torch")
+        assert api.loss_aware_head_logprobs is not originals[0]
+    assert calls == Counter(forward=1, backward=1)
+    assert (api.loss_aware_head_logprobs, loss_aware._LossAwareHead.__dict__["backward"],
+            loss_aware._verify_pending) == originals
+    loss_and_grads(p, sequence_loss=declared(p["segments"], p["ref"]), backend="torch")
+    assert calls == Counter(forward=1, backward=1)  # nothing counted once it has stopped

@@ -13,7 +13,8 @@ from collections import Counter
 import pytest
 import torch
 
-from fusedalign.ops import DeclaredLossMismatch, head_logprobs, loss_aware
+from fusedalign.ops import DeclaredLossMismatch, head_logprobs
+from tests.head_calls import HeadCalls
 from tests.unit.test_loss_aware import (
     OPTIONS,
     assert_bf16_no_worse,
@@ -52,12 +53,12 @@ def test_cuda_fp32_equals_the_ordinary_triton_op(options, pairs_per_block):
     p = to(pair_problem(pairs=5, length=57, v=1031, h=48, dtype=torch.float32, seed=20), "cuda")
     kw = OPTIONS[options]
     budget = None if pairs_per_block is None else 2 * 57 * 1031 * 4
-    before = Counter(loss_aware.CALLS)
-    want_out, _, want = loss_and_grads(p, backend="triton", **kw)
-    got_out, _, got = loss_and_grads(p, sequence_loss=declared(p["segments"], p["ref"]), backend="triton",
-                                     block_budget_bytes=budget, **kw)
+    with HeadCalls() as calls:
+        want_out, _, want = loss_and_grads(p, backend="triton", **kw)
+        got_out, _, got = loss_and_grads(p, sequence_loss=declared(p["segments"], p["ref"]), backend="triton",
+                                         block_budget_bytes=budget, **kw)
     assert got_out.loss_aware and got_out.backend == "triton"
-    assert (Counter(loss_aware.CALLS) - before) == Counter(forward=1, backward=1)
+    assert calls == Counter(forward=1, backward=1)
     assert rel_err(got_out.logps.cpu(), want_out.logps.cpu()) <= 1e-5
     for g, w in zip(got, want):
         assert g.dtype == w.dtype and rel_err(g.cpu(), w.cpu()) <= 1e-5
