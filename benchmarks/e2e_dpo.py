@@ -50,7 +50,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `benchmarks` and this tree's fusedalign
 
 from benchmarks.builders.dpo import availability  # noqa: E402
-from benchmarks.builders.dpo_configs import FIXED, REAL, SEARCH_DEFAULT  # noqa: E402
+from benchmarks.builders.dpo_configs import FIXED, REAL, REAL_DEFAULT, SEARCH_DEFAULT  # noqa: E402
 from benchmarks.builders.model import build_model  # noqa: E402
 from benchmarks.dpo_modes import compare, fit, real_lengths, recheck, search  # noqa: E402
 from benchmarks.dpo_modes.args import parse_args  # noqa: E402
@@ -59,7 +59,7 @@ from benchmarks.harness.env import gpu_info, log, one_gpu, versions, versions_li
 
 def default_configs(args, skipped: dict) -> list[str]:
     if args.real_lengths:
-        return list(REAL)
+        return list(REAL_DEFAULT)
     if not (args.max_length_search or args.memory_fit):
         return list(FIXED)
     if args.max_length_search and skipped["trl_liger"] and not skipped["trl"]:

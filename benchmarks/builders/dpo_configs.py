@@ -83,6 +83,8 @@ FIXED = _table(
 )
 
 REAL = _table(
+    DPORun("trl", "trl", about="TRL without Liger, padded, random order (not run unless named)"),
+    DPORun("trl_grouped", "trl", order="grouped", about="TRL without Liger, length-grouped (not run unless named)"),
     DPORun("trl_liger", "trl", liger_layers=True, about="TRL + Liger, padded, random order"),
     DPORun("trl_liger_grouped", "trl", liger_layers=True, order="grouped",
            about="TRL + Liger, padded, train_sampling_strategy='group_by_length' over a `length` column"),
@@ -93,6 +95,7 @@ REAL = _table(
            about="ours, padding-free with the prompt computed once per pair (share_prompt=True)"),
 )
 
+REAL_DEFAULT = ("trl_liger", "trl_liger_grouped", "ours_fused_compile", "ours_padding_free", "ours_shared_prompt")
 ALL_NAMES = tuple(dict.fromkeys([*FIXED, *REAL]))
 SEARCH_DEFAULT = ("ours_fused", "trl_liger")  # --max_length_search and --memory_fit
 BASELINES = ("trl_liger", "trl")               # the ratios' denominator, first that ran

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from benchmarks.builders.dpo_configs import ALL_NAMES, FIXED, REAL, SEARCH_DEFAULT
+from benchmarks.builders.dpo_configs import ALL_NAMES, FIXED, REAL, REAL_DEFAULT, SEARCH_DEFAULT
 from benchmarks.builders.lengths import DATASETS
 
 
@@ -31,7 +31,7 @@ def parser(description: str) -> argparse.ArgumentParser:
     a("--beta", type=float, default=0.1)
     a("--seed", type=int, default=0)
     a("--configs", nargs="+", choices=ALL_NAMES, default=None,
-      help=f"fixed lengths, default all of {tuple(FIXED)}; --real_lengths: {tuple(REAL)}; "
+      help=f"fixed lengths, default all of {tuple(FIXED)}; --real_lengths: {REAL_DEFAULT} (also: trl, trl_grouped); "
            f"search and fit: {SEARCH_DEFAULT}")
     a("--loss_atol", type=float, default=5e-2, help="first losses must agree to this (absolute)")
     a("--logps_atol", type=float, default=None,

@@ -1,12 +1,16 @@
-"""The end-to-end benchmark's CPU smoke run: it trains, compares and rechecks.
+"""The benchmarks' harness and DPO builders, and the end-to-end script's CPU smoke run.
 
-The GPU numbers live in docs/benchmarks.md; this keeps the script working between GPU
-sessions. Ours fused and ours unfused must pass the script's own agreement check.
+The GPU numbers live in docs/benchmarks.md; these keep the scripts working between GPU
+runs: the agreement check must void runs that differ, tables must hold one cell per
+column, the configuration table must refuse options a trainer does not have, and the
+real-length sampler must match the fits it is drawn from.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -15,8 +19,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "e2e_dpo.py"
+sys.path.insert(0, str(ROOT))
 
-pytestmark = pytest.mark.slow
+from benchmarks.builders import dpo_configs, lengths  # noqa: E402
+from benchmarks.builders.dpo_configs import DPORun  # noqa: E402
+from benchmarks.harness import agreement, tables  # noqa: E402
+from benchmarks.harness.profiling import kernel_kind  # noqa: E402
+from benchmarks.harness.timing import steady  # noqa: E402
 
 
 def _run(*argv: str) -> subprocess.CompletedProcess:
@@ -24,6 +33,7 @@ def _run(*argv: str) -> subprocess.CompletedProcess:
                           timeout=900)
 
 
+@pytest.mark.slow
 def test_e2e_dpo_cpu_smoke_agrees_and_rechecks(tmp_path):
     proc = _run("--device", "cpu", "--tiny", "--configs", "ours_fused", "ours_unfused", "--log_dir", str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -39,11 +49,10 @@ def test_e2e_dpo_cpu_smoke_agrees_and_rechecks(tmp_path):
     assert strict.returncode == 1 and "COMPARISON VOID" in strict.stdout, strict.stdout[-3000:]
 
 
-def _e2e_module():
-    sys.path.insert(0, str(ROOT))
-    import importlib
+def _e2e_fit():
+    from benchmarks.dpo_modes import fit
 
-    return importlib.import_module("benchmarks.e2e_dpo")
+    return fit
 
 
 @pytest.mark.parametrize("limit, start, want_probes, want", [
@@ -52,25 +61,170 @@ def _e2e_module():
     (9999, 2048, [2048, 3072, 4096], (4096, None)),  # out of probes before an OOM: no bracket claimed
 ])
 def test_verify_boundary_brackets_the_longest_length(monkeypatch, limit, start, want_probes, want):
-    e2e = _e2e_module()
+    from benchmarks.dpo_modes.args import parse_args
+
+    fit = _e2e_fit()
     calls = []
 
     def fake_launch(args, config, length, tag, **steps):
         calls.append(length)
         return {"status": "ok" if length <= limit else "OOM", "peak_gib": 1.0}
 
-    monkeypatch.setattr(e2e, "launch", fake_launch)
-    args = e2e.parse_args(["--device", "cpu", "--tiny", "--search_step", "1024", "--verify_probes", "3"])
-    out = e2e.verify_boundary(args, "ours_fused", start)
+    monkeypatch.setattr(fit, "launch", fake_launch)
+    args = parse_args(["--device", "cpu", "--tiny", "--search_step", "1024", "--verify_probes", "3"])
+    out = fit.verify_boundary(args, "ours_fused", start)
     assert calls == want_probes
     assert (out["longest_fit"], out["shortest_oom"]) == want
 
 
+def test_memory_fit_line_recovers_slope_and_intercept():
+    slope, intercept, worst = _e2e_fit().line_fit([(4096, 10.0 + 4096e-3), (8192, 10.0 + 8192e-3), (16384, 26.384)])
+    assert slope == pytest.approx(1e-3) and intercept == pytest.approx(10.0) and worst < 1e-9
+
+
 def test_kernel_kinds_of_a_profile():
-    e2e = _e2e_module()
-    assert e2e.kernel_kind("nvjet_hsh_256x128_64x4_2x1_v_bz_coopB_TNT") == "GEMM"
-    assert e2e.kernel_kind("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma") == "attention"
-    assert e2e.kernel_kind("bwd_chunk_kernel") == "head element-wise"
-    assert e2e.kernel_kind("triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0") == "compiled element-wise (inductor)"
-    assert e2e.kernel_kind("void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>") == "optimizer and clipping"
-    assert e2e.kernel_kind("void at::native::vectorized_elementwise_kernel<4, copy>").startswith("other")
+    assert kernel_kind("nvjet_hsh_256x128_64x4_2x1_v_bz_coopB_TNT") == "GEMM"
+    assert kernel_kind("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma") == "attention"
+    assert kernel_kind("bwd_chunk_kernel") == "head element-wise"
+    assert kernel_kind("triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0") == "compiled element-wise (inductor)"
+    assert kernel_kind("void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>") == "optimizer and clipping"
+    assert kernel_kind("void at::native::vectorized_elementwise_kernel<4, copy>").startswith("other")
+
+
+# ------------------------------------------------------------------------------- harness
+
+
+def _result(losses, chosen):
+    return {"status": "ok", "logs": [{"loss": a, "logps/chosen": b} for a, b in zip(losses, chosen)]}
+
+
+CHECKS = [agreement.Check("loss", 0.05), agreement.Check("logps/chosen", 2.0)]
+
+
+def test_agreement_within_tolerance_agrees_and_reports_the_worst_difference():
+    results = {"a": _result([0.69, 0.68, 0.70], [-100.0, -101.0, -99.0]),
+               "b": _result([0.70, 0.67, 0.71], [-100.5, -101.2, -98.0])}
+    found = agreement.compare(results, ["a", "b"], CHECKS)
+    assert found.verdict == "agree"
+    assert found.worst["loss"] == pytest.approx(0.01) and found.worst["logps/chosen"] == pytest.approx(1.0)
+
+
+def test_agreement_voids_a_difference_beyond_tolerance_and_a_missing_step():
+    base = _result([0.69, 0.68, 0.70], [-100.0, -101.0, -99.0])
+    far = _result([0.69, 0.68, 0.70], [-100.0, -104.0, -99.0])  # another row at step 2
+    short = _result([0.69, 0.68], [-100.0, -101.0])
+    assert agreement.compare({"a": base, "b": far}, ["a", "b"], CHECKS).verdict == "void"
+    found = agreement.compare({"a": base, "b": short}, ["a", "b"], CHECKS)
+    assert found.verdict == "void" and any("logged 2 values" in line for line in found.lines)
+
+
+def test_agreement_skips_a_stand_in_on_one_key_only():
+    base = _result([0.69, 0.68, 0.70], [-100.0, -101.0, -99.0])
+    liger = _result([0.72, 0.70, 0.69], [-100.1, -101.0, -99.0])  # other first loss, same tokens
+    skip_loss = [agreement.Check("loss", 0.01, skip=("liger",)), agreement.Check("logps/chosen", 2.0)]
+    assert agreement.compare({"a": base, "liger": liger}, ["a", "liger"], skip_loss).verdict == "agree"
+    held = [agreement.Check("loss", 0.01)]
+    assert agreement.compare({"a": base, "liger": liger}, ["a", "liger"], held).verdict == "void"
+
+
+def test_agreement_needs_two_runs_that_ran():
+    results = {"a": _result([0.69], [-1.0]), "b": {"status": "OOM"}}
+    assert agreement.compare(results, ["a", "b", "c"], CHECKS).verdict == "incomplete"
+
+
+def test_markdown_table_aligns_numbers_and_refuses_ragged_rows():
+    text = tables.markdown(["config", "tok/s"], [["ours", "1,000"], ["trl", "900"]], numeric={1})
+    assert text.splitlines() == ["| config | tok/s |", "|---|---:|", "| ours | 1,000 |", "| trl | 900 |"]
+    with pytest.raises(ValueError, match="2 cells for 3 columns"):
+        tables.markdown(["a", "b", "c"], [["x", "y"]])
+    assert tables.ratio(3.0, 2.0) == "1.50x" and tables.ratio(None, 2.0) == "—" and tables.fmt(None, ".1f") == "—"
+
+
+def test_steady_takes_the_timed_steps_only():
+    begin, end = [0.0, 10.0, 11.0, 12.5], [5.0, 10.5, 12.0, 13.0]  # step 0 (warm-up) is slow
+    out = steady(begin, end, warmup=1, timed=3)
+    assert out["step_times"] == [0.5, 1.0, 0.5] and out["median_step_s"] == 0.5 and out["total_step_s"] == 2.0
+    with pytest.raises(RuntimeError, match="expected at least 5 steps"):
+        steady(begin, end, warmup=1, timed=4)
+
+
+# ----------------------------------------------------------------------- configurations
+
+
+def test_configuration_names_cited_in_docs_keep_their_options():
+    fixed = dpo_configs.FIXED
+    assert list(fixed) == ["ours_fused", "ours_fused_liger", "ours_fused_compile", "ours_fused_compile_liger",
+                           "ours_fused_compile_pertoken", "ours_unfused", "trl", "trl_liger"]
+    assert fixed["ours_fused_compile_pertoken"].compile_layers and not fixed["ours_fused_compile_pertoken"].loss_aware_head
+    assert not fixed["ours_unfused"].fused_head and fixed["trl_liger"].liger_layers and fixed["trl"].is_trl
+    assert {c for c, r in fixed.items() if r.checked} == {"ours_fused", "ours_fused_compile",
+                                                           "ours_fused_compile_pertoken", "ours_unfused", "trl"}
+    real = dpo_configs.REAL
+    assert real["ours_shared_prompt"].share_prompt and real["ours_shared_prompt"].padding_free
+    assert real["trl_liger_grouped"].order == "grouped" and real["trl_liger"].order == "random"
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(trainer="trl", compile_layers=True), "options of ours"),
+    (dict(trainer="ours", order="grouped"), "TRL's length-grouped"),
+    (dict(trainer="ours", share_prompt=True), "needs padding_free"),
+    (dict(trainer="deepspeed"), "trainer must be"),
+])
+def test_configuration_refuses_options_its_trainer_lacks(options, message):
+    with pytest.raises(ValueError, match=message):
+        DPORun("x", **options)
+
+
+def test_unavailable_ours_options_are_reported_not_dropped(monkeypatch):
+    from benchmarks.builders import dpo
+
+    monkeypatch.setattr(dpo, "ours_config_fields", lambda: {"padding_free"})
+    reasons = dpo.availability(list(dpo_configs.REAL.values()), "cpu")
+    assert reasons["ours_padding_free"] is None
+    assert reasons["ours_shared_prompt"] == "fusedalign's DPOConfig has no share_prompt yet"
+    assert reasons["ours_fused_compile"] is None
+    assert "GPU" in reasons["trl_liger"] or "trl" in reasons["trl_liger"]
+
+
+# ------------------------------------------------------------------------ real lengths
+
+
+@pytest.mark.parametrize("name", sorted(lengths.DATASETS))
+def test_length_sampler_matches_the_fitted_median_and_p95(name):
+    import numpy as np
+
+    fits = lengths.DATASETS[name]
+    draw = lengths.sample_pairs(fits, 200_000, seed=0, max_length=None)
+    for part in ("prompt", "chosen", "rejected"):
+        fit = getattr(fits, part)
+        values = np.asarray(draw[part])
+        assert np.median(values) == pytest.approx(fit.median, rel=0.03), part
+        assert np.percentile(values, 95) == pytest.approx(fit.p95, rel=0.03), part
+    assert draw["dropped"] == 0 and draw["truncated"] == 0
+
+
+def test_length_sampler_truncates_as_trl_does():
+    fits = lengths.DATASETS["ultrafeedback"]
+    draw = lengths.sample_pairs(fits, 20_000, seed=1, max_length=256)
+    p, c, r = draw["prompt"], draw["chosen"], draw["rejected"]
+    assert len(p) == 20_000 and max(p) < 256  # a prompt that fills max_length drops the pair
+    assert all(a + b <= 256 and a + d <= 256 for a, b, d in zip(p, c, r))
+    assert draw["dropped"] > 0 and draw["truncated"] > 0
+    # Same seed, same pairs: every configuration trains the same data.
+    assert lengths.sample_pairs(fits, 20_000, seed=1, max_length=256)["chosen"] == c
+
+
+def test_log_normal_fit_and_token_counts():
+    fit = lengths.LengthFit(100, 500)
+    assert math.exp(fit.mu + lengths.Z95 * fit.sigma) == pytest.approx(500)
+    pairs = {"prompt": [3, 5], "chosen": [2, 1], "rejected": [4, 1]}
+    assert lengths.unique_tokens(pairs, [0, 1]) == 16
+    assert lengths.padded_tokens(pairs, [0, 1], micro_batch=2) == 2 * 2 * 7  # 4 rows at the longest, 3 + 4
+    rows = lengths.token_rows(pairs, vocab=10, seed=0)
+    assert [len(x) for x in rows["chosen_ids"]] == [2, 1] and all(0 < t < 5 for t in rows["chosen_ids"][0])
+    assert all(5 <= t < 10 for row in rows["rejected_ids"] for t in row)
+
+
+def test_dpo_run_is_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        dpo_configs.FIXED["trl"].name = "x"
