@@ -106,9 +106,9 @@ def head_logprobs(
     if sequence_loss is not None:
         check_sequence_loss(sequence_loss, labels.shape[0], hidden.device)
     any_scored = rows.numel() > 0
-    if rows.numel() in (0, labels.shape[0]):
-        rows = None  # nothing to skip, or nothing to compute: the backend sees every row
-    else:
+    if rows.numel() == labels.shape[0]:
+        rows = None  # nothing to skip: the backend sees every row
+    else:  # (no scored row at all: the backend sees none, and every output is 0, still connected)
         hidden, labels = hidden.index_select(0, rows), labels.index_select(0, rows)
         if low_rank is not None:
             low_rank = LowRank(low_rank.down.index_select(0, rows), low_rank.up, low_rank.scale)

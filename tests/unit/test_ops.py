@@ -263,6 +263,18 @@ def test_stats_match_oracle(case, backend):
         assert again.argmax_match[:3].all()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_scored_row_gives_zero_statistics_and_a_connected_graph(backend):
+    p = make_problem(6, 13, 4, bias=True, ignore_frac=1.0)
+    out = head_logprobs(p["hidden"], p["weight"], p["labels"], p["bias"], entropy=True, logit_mean=True,
+                        argmax=True, backend=backend)
+    for value in (out.logps, out.entropy, out.logit_mean):
+        assert value.shape == (6,) and torch.count_nonzero(value) == 0
+    assert not out.argmax_match.any()
+    grads = torch.autograd.grad(out.logps.sum(), grad_inputs(p))  # connected: every input gets a gradient
+    assert all(g.shape == t.shape and torch.count_nonzero(g) == 0 for g, t in zip(grads, grad_inputs(p)))
+
+
 def test_stats_are_none_unless_requested():
     p = make_problem(5, 9, 3)
     out = head_logprobs(p["hidden"], p["weight"], p["labels"])
