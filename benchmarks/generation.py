@@ -1,0 +1,217 @@
+"""Generation on one GPU: transformers' ways of sampling completions, side by side.
+
+On the model every benchmark here trains (a Qwen2.5-0.5B-shaped random init, bf16;
+builders/model.py), 128-token prompts, 256 sampled new tokens (temperature 1, no top-k
+or top-p: TRL's GRPO defaults; end-of-sequence off, so every method produces exactly
+batch x 256 tokens), at each batch size:
+
+    dynamic     model.generate with the dynamic cache and compilation off
+                (disable_compile=True): what TRL 1.16's GRPOTrainer runs without vLLM
+    static      model.generate with cache_implementation="static", decoding compiled
+                (generate's own auto-compile; on CUDA only)
+    continuous  model.generate_batch (continuous batching, paged attention), where the
+                installed transformers has it
+
+Each method runs in its own subprocess (compilation caches and allocator state never
+leak between them). Per batch size: one untimed call (it holds compilation and CUDA
+graph capture), then --repeats timed calls, each between two synchronizes; new tokens/s
+uses their median; peak GiB is torch.cuda.max_memory_allocated() over the timed calls.
+
+Examples:
+    python benchmarks/generation.py                       # batch 64 and 256
+    python benchmarks/generation.py --batches 64 --methods dynamic static
+    python benchmarks/generation.py --device cpu --tiny   # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.builders.model import build_model  # noqa: E402
+from benchmarks.harness import runner  # noqa: E402
+from benchmarks.harness.env import gpu_info, log, versions, versions_line  # noqa: E402
+from benchmarks.harness.tables import fmt, markdown, ratio  # noqa: E402
+
+METHODS = ("dynamic", "static", "continuous")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda if present")
+    p.add_argument("--tiny", action="store_true", help="a tiny model, short prompts and completions (CPU smoke test)")
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    p.add_argument("--batches", type=int, nargs="+", default=None, help="default 64 256 (--tiny: 4)")
+    p.add_argument("--prompt_length", type=int, default=None, help="default 128 (--tiny: 8)")
+    p.add_argument("--new_tokens", type=int, default=None, help="default 256 (--tiny: 8)")
+    p.add_argument("--repeats", type=int, default=2, help="timed calls per batch size (after one untimed)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--worker_timeout", type=int, default=900)
+    p.add_argument("--log_dir", default=None)
+    p.add_argument("--json_out", default=None)
+    p.add_argument("--markdown_out", default=None, help="also write the table to this file")
+    p.add_argument("--model_dir", default=None, help="reuse a saved model")
+    p.add_argument("--worker", choices=METHODS, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    for key, big, small in (("batches", [64, 256], [4]), ("prompt_length", 128, 8), ("new_tokens", 256, 8)):
+        if getattr(args, key) is None:
+            setattr(args, key, small if args.tiny else big)
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
+    return args
+
+
+def unavailable(method: str) -> str | None:
+    if method == "continuous":
+        from transformers import GenerationMixin
+
+        if not hasattr(GenerationMixin, "generate_batch"):
+            import transformers
+
+            return f"transformers {transformers.__version__} has no generate_batch"
+    return None
+
+
+def generation_config(args, method: str, pad: int):
+    from transformers import GenerationConfig
+
+    options = dict(max_new_tokens=args.new_tokens, do_sample=True, temperature=1.0, top_p=1.0, top_k=0, use_cache=True,
+                   pad_token_id=pad, eos_token_id=None, bos_token_id=None)
+    if method == "dynamic":
+        return GenerationConfig(**options, disable_compile=True)
+    if method == "static":
+        return GenerationConfig(**options, cache_implementation="static")
+    return GenerationConfig(**options)
+
+
+def generate_once(model, method: str, prompts, config) -> int:
+    """One call; returns the number of new tokens produced."""
+    import torch
+
+    if method == "continuous":
+        outputs = model.generate_batch(prompts.tolist(), generation_config=config, progress_bar=False)
+        return sum(len(o.generated_tokens) for o in outputs.values())
+    with torch.no_grad():
+        out = model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), generation_config=config)
+    return (out.shape[1] - prompts.shape[1]) * out.shape[0]
+
+
+def run_worker(args) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cuda = args.device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    with runner.worker_result(args.result) as result:
+        result.update(method=args.worker, batches={})
+        torch.manual_seed(args.seed)
+        dtype = torch.bfloat16 if cuda else torch.float32
+        model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype).to(args.device).eval()
+        vocab = model.config.vocab_size
+        config = generation_config(args, args.worker, pad=0)
+        for batch in args.batches:
+            gen = torch.Generator().manual_seed(args.seed + batch)
+            prompts = torch.randint(1, vocab, (batch, args.prompt_length), generator=gen).to(args.device)
+            t0 = time.perf_counter()
+            generate_once(model, args.worker, prompts, config)  # compilation, graph capture, autotuning
+            sync()
+            first = time.perf_counter() - t0
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            times, produced = [], []
+            for _ in range(args.repeats):
+                sync()
+                t0 = time.perf_counter()
+                produced.append(generate_once(model, args.worker, prompts, config))
+                sync()
+                times.append(time.perf_counter() - t0)
+            median = statistics.median(times)
+            result["batches"][str(batch)] = dict(
+                times_s=times, first_call_s=first, new_tokens=produced, expected=batch * args.new_tokens,
+                tokens_per_s=statistics.median(produced) / median,
+                peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None)
+            log(f"{args.worker} batch {batch}: {statistics.median(produced) / median:,.0f} new tokens/s "
+                f"(first call {first:.1f} s)")
+        result["status"] = "ok"
+    return 0 if result["status"] == "ok" else 1
+
+
+def table(args, results: dict) -> str:
+    rows = []
+    for batch in args.batches:
+        base = results.get("dynamic", {}).get("batches", {}).get(str(batch))
+        for method in args.methods:
+            r = results.get(method, {})
+            if r.get("status") != "ok":
+                rows.append([str(batch), method, r.get("reason") or f"{r.get('status')}: {r.get('error', '')[:80]}",
+                             "", "", "", ""])
+                continue
+            b = r["batches"][str(batch)]
+            short = "" if min(b["new_tokens"]) == b["expected"] else f" (only {min(b['new_tokens'])} tokens)"
+            rows.append([str(batch), method, f"{b['tokens_per_s']:,.0f}{short}", fmt(b["peak_gib"], ".1f"),
+                         f"{statistics.median(b['times_s']):.2f}", f"{b['first_call_s']:.1f}",
+                         ratio(b["tokens_per_s"], base["tokens_per_s"]) if base else "—"])
+    title = (f"### generation, {args.prompt_length}-token prompts, {args.new_tokens} sampled new tokens "
+             f"(median of {args.repeats})")
+    columns = ["batch", "method", "new tokens/s", "peak GiB", "s a call", "first call s", "vs dynamic"]
+    return title + "\n\n" + markdown(columns, rows, numeric={0, 2, 3, 4, 5, 6})
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return run_worker(args)
+    log("versions: " + versions_line(versions(("torch", "transformers", "triton"))))
+    log(f"device: {gpu_info(0) if args.device == 'cuda' else 'cpu'}")
+    args.log_dir = os.path.abspath(args.log_dir or tempfile.mkdtemp(prefix="generation-"))
+    os.makedirs(args.log_dir, exist_ok=True)
+    own_model = args.model_dir is None
+    if own_model:
+        args.model_dir = tempfile.mkdtemp(prefix="generation-model-")
+        log("model: " + build_model(args.model_dir, tiny=args.tiny, dtype="bf16" if args.device == "cuda" else "fp32",
+                                    seed=args.seed))
+    results = {}
+    try:
+        for method in args.methods:
+            why = unavailable(method)
+            if why:
+                log(f"{method}: skipped: {why}")
+                results[method] = {"status": "skipped", "reason": f"skipped: {why}"}
+                continue
+            argv = [sys.executable, "-u", os.path.abspath(__file__), "--worker", method, "--device", args.device,
+                    "--model_dir", args.model_dir, "--batches", *map(str, args.batches), "--prompt_length",
+                    str(args.prompt_length), "--new_tokens", str(args.new_tokens), "--repeats", str(args.repeats),
+                    "--seed", str(args.seed)] + (["--tiny"] if args.tiny else [])
+            log(f"{method}: running ...")
+            results[method] = runner.launch(argv, f"generation-{method}", log_dir=args.log_dir, device=args.device,
+                                            timeout=args.worker_timeout)
+    finally:
+        if own_model:
+            shutil.rmtree(args.model_dir, ignore_errors=True)
+    text = table(args, results)
+    log("\n" + text + "\n")
+    with open(args.json_out or os.path.join(args.log_dir, "results.json"), "w") as f:
+        json.dump({"versions": versions(), "argv": sys.argv, "results": results}, f, indent=1, default=str)
+    if args.markdown_out:
+        Path(args.markdown_out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
