@@ -1,0 +1,83 @@
+"""GRPOConfig: TRL 1.16's defaults, the derived generation batch, and every check (one line naming the flag)."""
+
+from __future__ import annotations
+
+import pytest
+
+from fusedalign.configs.grpo import GRPOConfig
+
+
+def make(**kw):
+    return GRPOConfig(**{"output_dir": "/tmp/grpo-config-test", "report_to": "none", "per_device_train_batch_size": 8,
+                         **kw})
+
+
+def test_trl_defaults():
+    a = make()
+    want = dict(learning_rate=1e-6, beta=0.0, loss_type="dapo", num_generations=8, max_completion_length=512,
+                temperature=1.0, top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0, epsilon=0.2,
+                epsilon_high=None, delta=None, num_iterations=1, importance_sampling_level="token",
+                scale_rewards="group", multi_objective_aggregation="sum_then_normalize", top_entropy_quantile=1.0,
+                mask_truncated_completions=False, use_bias_correction_kl=True, entropy_coef=0.0,
+                disable_dropout=False, max_prompt_length=None, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05)
+    assert {k: getattr(a, k) for k in want} == want
+    assert GRPOConfig.__dataclass_fields__["output_dir"].default == "outputs/grpo"
+    # On this CPU machine: no bf16, no checkpointing, a log line every step (see the module docstring).
+    assert a.bf16 is False and a.gradient_checkpointing is False and a.logging_steps == 1
+    assert a.steps_per_generation == a.gradient_accumulation_steps == 1 and a.generation_batch_size == 8
+    assert a.needs_old_logps is False
+
+
+def test_generation_batch_and_old_logps():
+    a = make(per_device_train_batch_size=4, gradient_accumulation_steps=2)
+    assert (a.steps_per_generation, a.generation_batch_size, a.needs_old_logps) == (2, 8, False)
+    a = make(per_device_train_batch_size=4, steps_per_generation=4, gradient_accumulation_steps=2)
+    assert (a.generation_batch_size, a.needs_old_logps) == (16, True)
+    a = make(per_device_train_batch_size=4, generation_batch_size=16)
+    assert a.steps_per_generation == 4 and a.needs_old_logps is True
+    assert make(num_iterations=2).needs_old_logps is True
+    assert make(num_iterations=2, gradient_accumulation_steps=2).needs_old_logps is True  # spg = 2: 4 micro-batches
+    assert make(num_iterations=2, gradient_accumulation_steps=2, steps_per_generation=1).needs_old_logps is False  # both passes in one step
+    assert make(scale_rewards=False).scale_rewards == "none" and make(scale_rewards=True).scale_rewards == "group"
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(loss_type="ppo"), r"loss_type must be one of 'grpo'"),
+    (dict(importance_sampling_level="seq"), r"importance_sampling_level must be one of 'token', 'sequence'"),
+    (dict(scale_rewards="std"), r"scale_rewards must be one of 'group', 'batch', 'none'"),
+    (dict(multi_objective_aggregation="mean"), r"multi_objective_aggregation must be one of"),
+    (dict(num_generations=1), r"num_generations must be >= 2"),
+    (dict(num_generations=3), r"num_generations \(3\) must divide generation_batch_size \(8"),
+    (dict(generation_batch_size=12), r"generation_batch_size \(12\) must be a multiple of per_device_train_batch_size"),
+    (dict(generation_batch_size=16, steps_per_generation=2), r"set generation_batch_size or steps_per_generation"),
+    (dict(steps_per_generation=0), r"steps_per_generation must be >= 1"),
+    (dict(max_completion_length=0), r"max_completion_length must be >= 1"),
+    (dict(max_prompt_length=0), r"max_prompt_length must be >= 1 or None"),
+    (dict(temperature=0.0), r"temperature must be > 0"),
+    (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+    (dict(top_k=-1), r"top_k must be >= 0"),
+    (dict(min_p=1.5), r"min_p must be in \[0, 1\]"),
+    (dict(repetition_penalty=0.0), r"repetition_penalty must be > 0"),
+    (dict(beta=-0.1), r"beta must be >= 0"),
+    (dict(epsilon=1.0), r"epsilon must be in \[0, 1\)"),
+    (dict(epsilon_high=-0.1), r"epsilon_high must be >= 0 or None"),
+    (dict(delta=0.9), r"delta must be > 1 or None"),
+    (dict(num_iterations=0), r"num_iterations must be >= 1"),
+    (dict(top_entropy_quantile=1.2), r"top_entropy_quantile must be in \[0, 1\]"),
+    (dict(entropy_coef=-1.0), r"entropy_coef must be >= 0"),
+    (dict(sapo_temperature_neg=0.0), r"sapo_temperature_pos/neg must be > 0"),
+    (dict(reward_funcs=["zen_words", "vowels"], reward_weights=[1.0]), r"reward_weights has 1 values for 2 reward"),
+    (dict(reward_model_name_or_path="rm", reward_funcs=["zen_words"], reward_weights=[1.0]), r"for 2 reward functions"),
+    (dict(auto_find_batch_size=True), r"auto_find_batch_size is not supported by GRPO"),
+    (dict(num_generations_eval=0), r"num_generations_eval must be >= 1"),
+    (dict(do_eval=True, eval_strategy="steps", per_device_eval_batch_size=6), r"num_generations_eval \(8\) must divide"),
+    (dict(keyed_sampling=True, replay_completions="c.jsonl"), r"--replay_completions .* cannot be combined"),
+])
+def test_every_check_names_its_flag(kw, match):
+    with pytest.raises(ValueError, match=match):
+        make(**kw)
+
+
+def test_loss_options_follow_the_config():
+    o = make(loss_type="dr_grpo", epsilon_high=0.28, delta=1.5, beta=0.04, max_completion_length=64).loss_options()
+    assert (o.loss_type, o.eps_high, o.delta, o.beta, o.max_completion_length) == ("dr_grpo", 0.28, 1.5, 0.04, 64)
