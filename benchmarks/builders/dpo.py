@@ -69,18 +69,48 @@ def availability(runs: list[DPORun], device: str) -> dict[str, str | None]:
 
 
 def accepts_token_ids(tokenizer, rows: dict[str, list]) -> bool:
-    """Whether fusedalign's DPO data layer takes tokenised rows as they are: their first row
-    goes through `prepare_dpo_dataset` and must come back unchanged, with no column added."""
+    """Whether fusedalign's DPO data path takes tokenised rows as they are: their first row
+    goes through it and must come back unchanged, with no column added."""
     from datasets import Dataset
 
-    from fusedalign.data import DataError, prepare_dpo_dataset
+    from fusedalign.data import DataError
 
     one = Dataset.from_dict({k: v[:1] for k, v in rows.items()})
     try:
-        out, _ = prepare_dpo_dataset(one, tokenizer, max_prompt_length=None, max_length=None)
+        try:
+            from fusedalign.data.splits import prepare_split
+        except ImportError:  # before the trainer took tokenised splits
+            from fusedalign.data import prepare_dpo_dataset
+
+            out, _ = prepare_dpo_dataset(one, tokenizer, max_prompt_length=None, max_length=None)
+        else:
+            out = prepare_split("dpo", one, tokenizer, "train", max_prompt_length=None, max_length=None,
+                                truncation_mode="keep_end")
     except (DataError, TypeError, ValueError):
         return False
     return sorted(out.column_names) == sorted(one.column_names) and out[0] == one[0]
+
+
+def time_precompute(trainer, timers) -> None:
+    """Times ours' reference precompute pass: the store's `build` (DPOTrainer since the
+    reference became a component) or the older `_precompute_all`."""
+    store = getattr(trainer, "reference_store", None)
+    if store is not None:
+        build = store.build
+
+        def timed_build(*a, **kw):
+            with timers("precompute"):
+                return build(*a, **kw)
+
+        store.build = timed_build
+    elif hasattr(trainer, "_precompute_all"):
+        precompute = trainer._precompute_all
+
+        def timed_precompute(*a, **kw):
+            with timers("precompute"):
+                return precompute(*a, **kw)
+
+        trainer._precompute_all = timed_precompute
 
 
 def training_args(s, length: int, output_dir: str) -> dict[str, Any]:
@@ -155,11 +185,6 @@ def build_ours(run: DPORun, s, length, output_dir, rows, tokenizer, callback, ti
     from fusedalign.data import DataError
     from fusedalign.trainers.dpo import DPOTrainer
 
-    class BenchDPOTrainer(DPOTrainer):
-        def _precompute_all(self, model, compute):
-            with timers("precompute"):
-                return super()._precompute_all(model, compute)
-
     kwargs = training_args(s, length, output_dir)
     if s.device == "cpu":
         kwargs.pop("use_cpu")  # fusedalign switches to the CPU itself when there is no accelerator
@@ -171,16 +196,20 @@ def build_ours(run: DPORun, s, length, output_dir, rows, tokenizer, callback, ti
         kwargs["share_prompt"] = True
     args = DPOConfig(**kwargs, fused_head=run.fused_head, liger_kernels=run.liger_layers,
                      compile_layers=run.compile_layers, max_prompt_length=None, loss_aware_head=run.loss_aware_head)
-    cls = with_order(BenchDPOTrainer, order, grouped_after)
+    cls = with_order(DPOTrainer, order, grouped_after)
     dataset = Dataset.from_dict(rows)
+    trainer = None
     if accepts_token_ids(tokenizer, rows):
         try:
-            return cls(model=s.model_dir, args=args, train_dataset=dataset, processing_class=tokenizer,
-                       callbacks=[callback])
+            trainer = cls(model=s.model_dir, args=args, train_dataset=dataset, processing_class=tokenizer,
+                          callbacks=[callback])
         except DataError:
             pass  # the data layer takes token ids but the trainer does not yet: the workaround below
-    trainer = cls(model=s.model_dir, args=args, train_dataset=None, processing_class=tokenizer, callbacks=[callback])
-    trainer.train_dataset = dataset.add_column("index", list(range(len(dataset))))
+    if trainer is None:
+        trainer = cls(model=s.model_dir, args=args, train_dataset=None, processing_class=tokenizer,
+                      callbacks=[callback])
+        trainer.train_dataset = dataset.add_column("index", list(range(len(dataset))))
+    time_precompute(trainer, timers)
     return trainer
 
 
