@@ -12,7 +12,7 @@ from fusedalign.attention import PackedAttentionError, attention_inputs, layer_w
 from fusedalign.data.preference_batches import preference_batch
 from fusedalign.head import token_logprobs
 from fusedalign.models import load_model
-from tests.unit.test_preference_batches import ROWS, TOL, _model, _padded
+from tests.unit.test_preference_batches import ROWS, TOL, _model, _packed, _padded
 
 
 def _per_sequence(model, batch, kwargs):
@@ -77,6 +77,16 @@ def test_mixed_layer_types_get_a_mask_per_type_once_the_window_is_reached():
 
 
 # ------------------------------------------------------------------ controls: the parity tests can fail
+
+
+def test_control_a_padding_free_row_read_as_one_sequence_scores_differently():
+    model = _model("llama", "sdpa")
+    rows = ROWS["uneven"]
+    batch = preference_batch(rows)
+    expected = _padded_per_sequence(model, rows)
+    assert _max_difference(_per_sequence(model, batch, attention_inputs(model, batch)), expected) < 1e-5
+    leaky = {"input_ids": batch["input_ids"], "position_ids": torch.arange(batch["input_ids"].shape[1])[None]}
+    assert _max_difference(_per_sequence(model, batch, leaky), expected) > 1e-3
 
 
 def test_controls_a_shared_row_without_its_mask_or_with_a_duplicated_key_scores_differently():
@@ -176,3 +186,36 @@ def test_mixed_layer_types_without_a_mask_per_type_are_refused_once_the_window_m
     attention_inputs(model, preference_batch(ROWS["long"]))  # padding-free: transformers' builders keep windows
     with pytest.raises(PackedAttentionError, match="LlamaForCausalLM mixes layer types.*Drop --share_prompt"):
         attention_inputs(model, preference_batch(ROWS["long"], share_prompt=True))
+
+
+# ------------------------------------------------------------------ CUDA (the H200): flex gradients, transformers 5.17
+
+
+CUDA_CASES = [("qwen2", "flex_attention", "sdpa"), ("llama", "flex_attention", "sdpa"), ("qwen2", "sdpa", "sdpa"),
+              ("gemma2", "flex_attention", "eager"), ("gemma2", "eager", "eager")]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (flex attention's backward)")
+@pytest.mark.parametrize("share", [False, True], ids=["padding_free", "shared_prompt"])
+@pytest.mark.parametrize("name, attn, padded_attn", CUDA_CASES)
+def test_packed_rows_on_cuda_equal_padded_unshared(name, attn, padded_attn, share):
+    """Log-probs, the DPO loss and every gradient (fp32) through each implementation on CUDA,
+    long rows included (Gemma 2's window). Kernels differ from the padded reference's, hence 1e-4."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    model = load_model(f"builtin:tiny-{name}", attn_implementation=attn).cuda()
+    padded = load_model(f"builtin:tiny-{name}", attn_implementation=padded_attn).cuda()
+    padded.load_state_dict(model.state_dict())
+    for data in ("uneven", "long"):
+        rows = ROWS[data]
+        want_seq, want_loss = _padded(padded, rows, True)
+        got = _packed(model, rows, share, True)
+        # The two models hold equal weights: compare the padded model's gradients with the packed one's.
+        want_grads = torch.autograd.grad(want_loss, list(padded.parameters()))
+        got_grads = torch.autograd.grad(got[1], list(model.parameters()))
+        for (wl, wp), (gl, gp) in zip(want_seq, got[0]):
+            assert torch.equal(wl.cpu(), gl.cpu())
+            torch.testing.assert_close(gp, wp, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got[1], want_loss, rtol=1e-4, atol=1e-4)
+        for w, g in zip(want_grads, got_grads):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)

@@ -107,13 +107,18 @@ def _reference(rows: list[dict]) -> torch.Tensor:
 def _dpo_loss(sums: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """TRL's sigmoid DPO loss, mean over pairs: -log sigma(beta * (chosen ratio - rejected ratio))."""
     b = sums.shape[0] // 2
-    ratio = (sums - ref)
+    ratio = sums - ref.to(sums.device)
     return -F.logsigmoid(BETA * (ratio[:b] - ratio[b:])).mean()
+
+
+def _on(model, batch: dict) -> dict:
+    device = next(model.parameters()).device
+    return {k: v.to(device) for k, v in batch.items()}
 
 
 def _padded(model, rows, fused):
     """Per sequence: (labels, log-probs of its scored tokens), the DPO loss; padded and unshared."""
-    batch = DPOCollator(pad_token_id=0)(rows)
+    batch = _on(model, DPOCollator(pad_token_id=0)(rows))
     labels = position_labels(batch["input_ids"], batch["completion_mask"])
     inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
     logps = token_logprobs(model, inputs, labels, fused=fused).logps  # [2B, T]
@@ -122,27 +127,27 @@ def _padded(model, rows, fused):
 
 
 def _packed(model, rows, share, fused, **layout):
-    batch = preference_batch(rows, share_prompt=share, **layout)
+    batch = _on(model, preference_batch(rows, share_prompt=share, **layout))
     labels, seq = batch["labels"][0], batch["sequence_ids"][0]
     logps = token_logprobs(model, attention_inputs(model, batch), batch["labels"], fused=fused).logps  # [1, L]
     per_seq = [(labels[seq == s], logps[0][seq == s]) for s in range(batch["scored_tokens"].shape[0])]
     return per_seq, _dpo_loss(sequence_logps(logps, batch), _reference(rows))
 
 
-def _assert_same(model, expected, actual):
+def _assert_same(model, expected, actual, tol=TOL):
     (want_seq, want_loss), (got_seq, got_loss) = expected, actual
     assert len(want_seq) == len(got_seq)
     for (want_labels, want_logps), (got_labels, got_logps) in zip(want_seq, got_seq):
         assert torch.equal(want_labels, got_labels)  # the same tokens scored, in the same order
-        torch.testing.assert_close(got_logps, want_logps, **TOL)
-    torch.testing.assert_close(got_loss, want_loss, **TOL)
+        torch.testing.assert_close(got_logps, want_logps, **tol)
+    torch.testing.assert_close(got_loss, want_loss, **tol)
     params = [p for p in model.parameters() if p.requires_grad]
     want = torch.autograd.grad(want_loss, params, allow_unused=True)
     got = torch.autograd.grad(got_loss, params, allow_unused=True)
     for p, w, g in zip(params, want, got):
         assert (w is None) == (g is None)
         if w is not None:
-            torch.testing.assert_close(g, w, **TOL)
+            torch.testing.assert_close(g, w, **tol)
 
 
 # ------------------------------------------------------------------ model-level parity
@@ -205,9 +210,11 @@ def test_a_step_split_by_token_budget_equals_one_padded_batch(share):
     _assert_same(model, expected, ([per_seq[s] for s in range(2 * len(rows))], loss))
 
 
-def test_the_loss_aware_op_takes_a_shared_row_as_segments_and_pair_groups():
-    """What the fused loss-aware head needs for shared rows: per-position segments (`sequence_ids`)
-    and one group per pair (`sequence_pair`); `RowLoss` (one group per batch row) cannot say it.
+@pytest.mark.parametrize("share", [False, True], ids=["padding_free", "shared_prompt"])
+def test_the_loss_aware_op_takes_a_packed_row_as_segments_and_pair_groups(share):
+    """What the fused loss-aware head needs for packed rows: per-position segments (`sequence_ids`)
+    and one group per pair (`sequence_pair`); `RowLoss` (one sequence per batch row) cannot say it,
+    since a row holds both sequences of a pair (and several pairs).
 
     At the op's level, on the hidden states the head receives (tiny-qwen2: final norm, untied head).
     """
@@ -217,7 +224,7 @@ def test_the_loss_aware_op_takes_a_shared_row_as_segments_and_pair_groups():
     rows = ROWS["uneven"]
     ref = _reference(rows)
     expected = _padded(model, rows, False)
-    batch = preference_batch(rows, share_prompt=True)
+    batch = preference_batch(rows, share_prompt=share)
     hidden = model.model(**attention_inputs(model, batch), use_cache=False).last_hidden_state[0]  # [L, H]
     labels = batch["labels"][0]
 
