@@ -1,0 +1,149 @@
+"""Builds TRL's or ours GRPOTrainer for one GRPO benchmark configuration.
+
+Both get the same prompts (token ids drawn from the seed, `prompt_length` each; the text
+tokenisation is bypassed as for DPO: TRL through a subclass whose `_tokenize_prompts`
+looks the ids up by the row's key, ours through a tokenised `prompt_ids` column), the
+same lengths and the same deterministic reward, and both are configured with TRL's
+argument names: num_generations, max_completion_length, per_device_train_batch_size
+(completions per micro-batch), gradient_accumulation_steps, steps_per_generation, beta,
+loss_type, temperature.
+
+The reward is a function of the completion's token ids alone: the share of its tokens
+drawn from the lower half of the vocabulary (so the G completions of a prompt differ in
+reward and every group has an advantage to learn from).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GRPORun:
+    """One configuration: which trainer, and its generation path."""
+
+    name: str
+    trainer: str                      # "trl" or "ours"
+    continuous_batching: bool = False  # TRL: use_transformers_continuous_batching
+    about: str = ""
+
+
+RUNS = {r.name: r for r in (
+    GRPORun("trl", "trl", about="trl.GRPOTrainer, transformers generate (dynamic cache, compilation off), no vLLM"),
+    GRPORun("trl_continuous", "trl", continuous_batching=True,
+            about="trl.GRPOTrainer, use_transformers_continuous_batching=True (not run unless named)"),
+    GRPORun("ours", "ours", about="fusedalign.trainers.grpo.GRPOTrainer, its default generator"),
+)}
+DEFAULT = ("trl", "ours")
+
+
+def availability(device: str) -> dict[str, str | None]:
+    """Why each configuration cannot run here (None: it can)."""
+    reasons: dict[str, str | None] = {}
+    try:
+        import trl
+
+        trl_reason = None if hasattr(trl.GRPOTrainer, "_tokenize_prompts") else (
+            f"trl {trl.__version__}'s GRPOTrainer has no _tokenize_prompts (written against trl 1.16)")
+    except Exception as e:  # noqa: BLE001
+        trl_reason = f"`import trl` failed: {type(e).__name__}: {e}"
+    try:
+        from fusedalign.trainers.grpo import GRPOTrainer  # noqa: F401
+
+        ours_reason = None
+    except ImportError as e:
+        ours_reason = f"fusedalign.trainers.grpo does not import yet ({e})"
+    for run in RUNS.values():
+        reasons[run.name] = trl_reason if run.trainer == "trl" else ours_reason
+        if run.continuous_batching and not reasons[run.name]:
+            from transformers import GenerationMixin
+
+            if not hasattr(GenerationMixin, "generate_batch"):
+                reasons[run.name] = "this transformers has no generate_batch"
+    return reasons
+
+
+def prompt_rows(s, vocab: int) -> list[list[int]]:
+    """prompts_per_step x total_steps prompts of prompt_length ids (never id 0, pad/eos)."""
+    import numpy as np
+
+    rng = np.random.default_rng([s.seed, 3])
+    return rng.integers(1, vocab, size=(s.prompts * s.total_steps, s.prompt_length)).tolist()
+
+
+def lower_half_reward(vocab: int):
+    """The benchmark's reward: the share of completion tokens below vocab / 2."""
+    half = vocab // 2
+
+    def lower_half(prompts=None, completions=None, completion_ids=None, **kwargs) -> list[float]:
+        return [sum(t < half for t in ids) / max(len(ids), 1) for ids in completion_ids]
+
+    return lower_half
+
+
+def grpo_args(s, output_dir: str) -> dict:
+    """TRL's names, the same values for both trainers."""
+    completions = s.prompts * s.num_generations
+    return dict(
+        output_dir=output_dir, num_generations=s.num_generations, max_completion_length=s.new_tokens,
+        per_device_train_batch_size=s.per_device_train_batch_size,
+        gradient_accumulation_steps=completions // s.per_device_train_batch_size,
+        steps_per_generation=completions // s.per_device_train_batch_size,
+        beta=s.beta, loss_type=s.loss_type, temperature=1.0, learning_rate=s.learning_rate,
+        max_steps=s.total_steps, bf16=s.dtype == "bf16", seed=s.seed, data_seed=s.seed,
+        lr_scheduler_type="linear", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
+        gradient_checkpointing=False, report_to="none", save_strategy="no", eval_strategy="no",
+        logging_steps=1, disable_tqdm=True, dataloader_num_workers=0,
+    )
+
+
+def build(run: GRPORun, s, output_dir: str, prompts: list[list[int]], tokenizer, callback, timers, vocab: int):
+    """The trainer for `run`; `timers("generation")` wraps every generation call."""
+    reward = lower_half_reward(vocab)
+    if run.trainer == "trl":
+        return build_trl(run, s, output_dir, prompts, tokenizer, callback, timers, reward)
+    return build_ours(run, s, output_dir, prompts, tokenizer, callback, timers, reward)
+
+
+def build_trl(run, s, output_dir, prompts, tokenizer, callback, timers, reward):
+    import trl
+    from datasets import Dataset
+
+    class BenchTRLGRPOTrainer(trl.GRPOTrainer):
+        def _tokenize_prompts(self, keys):
+            return [prompts[int(k)] for k in keys], None, {}  # the rows are token ids already
+
+        def _generate_single_turn(self, *args, **kwargs):
+            with timers("generation"):
+                return super()._generate_single_turn(*args, **kwargs)
+
+    kwargs = grpo_args(s, output_dir)
+    kwargs["model_init_kwargs"] = {"dtype": "bfloat16" if s.dtype == "bf16" else "float32", "device_map": None}
+    kwargs["use_cpu"] = s.device == "cpu"
+    if run.continuous_batching:
+        kwargs["use_transformers_continuous_batching"] = True
+    dataset = Dataset.from_dict({"prompt": [str(i) for i in range(len(prompts))]})
+    return BenchTRLGRPOTrainer(model=s.model_dir, reward_funcs=reward, args=trl.GRPOConfig(**kwargs),
+                               train_dataset=dataset, processing_class=tokenizer, callbacks=[callback])
+
+
+def build_ours(run, s, output_dir, prompts, tokenizer, callback, timers, reward):
+    from datasets import Dataset
+
+    from fusedalign.configs.grpo import GRPOConfig
+    from fusedalign.trainers.grpo import GRPOTrainer
+
+    args = GRPOConfig(**grpo_args(s, output_dir))
+    trainer = GRPOTrainer(model=s.model_dir, reward_funcs=[reward], args=args,
+                          train_dataset=Dataset.from_dict({"prompt_ids": prompts}), processing_class=tokenizer,
+                          callbacks=[callback])
+    generator = getattr(trainer, "generator", None)
+    if generator is not None and hasattr(generator, "generate"):
+        generate = generator.generate
+
+        def timed_generate(*a, **kw):
+            with timers("generation"):
+                return generate(*a, **kw)
+
+        generator.generate = timed_generate
+    return trainer

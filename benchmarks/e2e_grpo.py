@@ -1,0 +1,206 @@
+"""End-to-end GRPO on one GPU: TRL 1.16's GRPOTrainer (and ours, once it exists), side by side.
+
+On the model every benchmark here trains (a Qwen2.5-0.5B-shaped random init, bf16,
+saved once and loaded by path), each configuration of builders/grpo.py trains
+--prompts prompts x --num_generations completions of at most --new_tokens tokens a
+step (default 64 x 8 x 256, prompts of 128 tokens), without vLLM: TRL then samples with
+transformers' generate, its compilation disabled. The reward is deterministic (a
+function of the completion's token ids, builders/grpo.py). Each configuration runs in
+its own subprocess.
+
+Reported per configuration: completions/s (completions a step over the median timed
+step), the share of the step spent generating (the time inside the trainer's generate
+call, after a synchronize) and training (the rest: scoring, log-probs, backward,
+optimizer), the mean completion length the trainer logged, and peak memory.
+
+Examples:
+    python benchmarks/e2e_grpo.py                                   # GPU: trl and ours
+    python benchmarks/e2e_grpo.py --warmup_steps 1 --timed_steps 2  # a short run
+    python benchmarks/e2e_grpo.py --device cpu --tiny               # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.builders import grpo  # noqa: E402
+from benchmarks.builders.model import build_model, model_config  # noqa: E402
+from benchmarks.harness import runner  # noqa: E402
+from benchmarks.harness.env import gpu_info, log, versions, versions_line  # noqa: E402
+from benchmarks.harness.tables import fmt, markdown, ratio  # noqa: E402
+from benchmarks.harness.timing import Timers, device_sync, steady, step_timer  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    a("--device", choices=["cuda", "cpu"], default=None, help="default: cuda if present")
+    a("--tiny", action="store_true", help="a tiny model, few short completions (CPU smoke test)")
+    a("--configs", nargs="+", choices=list(grpo.RUNS), default=None, help=f"default: {grpo.DEFAULT}")
+    a("--prompts", type=int, default=None, help="prompts per optimizer step; default 64 (--tiny: 4)")
+    a("--num_generations", type=int, default=None, help="completions per prompt; default 8 (--tiny: 4)")
+    a("--new_tokens", type=int, default=None, help="max_completion_length; default 256 (--tiny: 8)")
+    a("--prompt_length", type=int, default=None, help="default 128 (--tiny: 8)")
+    a("--per_device_train_batch_size", type=int, default=None,
+      help="completions per micro-batch; accumulation = prompts x num_generations / this; default 64 (--tiny: 8)")
+    a("--warmup_steps", type=int, default=None, help="default 2 (--tiny: 1)")
+    a("--timed_steps", type=int, default=None, help="default 4 (--tiny: 2)")
+    a("--learning_rate", type=float, default=1e-6)
+    a("--beta", type=float, default=0.0, help="KL coefficient (TRL's default 0: no reference model)")
+    a("--loss_type", default="dapo", help="TRL's default")
+    a("--dtype", choices=["bf16", "fp32"], default=None, help="default bf16 (--device cpu: fp32)")
+    a("--seed", type=int, default=0)
+    a("--worker_timeout", type=int, default=1200)
+    a("--log_dir", default=None)
+    a("--json_out", default=None)
+    a("--markdown_out", default=None, help="also write the table to this file")
+    a("--model_dir", default=None, help="reuse a saved model")
+    a("--worker", choices=list(grpo.RUNS), default=None, help=argparse.SUPPRESS)
+    a("--result", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    for key, big, small in (("prompts", 64, 4), ("num_generations", 8, 4), ("new_tokens", 256, 8),
+                            ("prompt_length", 128, 8), ("per_device_train_batch_size", 64, 8),
+                            ("warmup_steps", 2, 1), ("timed_steps", 4, 2)):
+        if getattr(args, key) is None:
+            setattr(args, key, small if args.tiny else big)
+    if args.dtype is None:
+        args.dtype = "fp32" if args.device == "cpu" else "bf16"
+    if (args.prompts * args.num_generations) % args.per_device_train_batch_size:
+        p.error(f"--prompts x --num_generations ({args.prompts * args.num_generations}) is not a multiple of "
+                f"--per_device_train_batch_size {args.per_device_train_batch_size}")
+    if args.warmup_steps < 1 or args.timed_steps < 1:
+        p.error("need --warmup_steps >= 1 and --timed_steps >= 1")
+    args.total_steps = args.warmup_steps + args.timed_steps
+    return args
+
+
+class GenerationSplit:
+    """A StepTimer hook: the generation time inside each step (from the named timer)."""
+
+    def __init__(self, timers: Timers):
+        self.timers, self.at_begin, self.per_step = timers, 0.0, []
+
+    def begin(self, step: int) -> None:
+        self.at_begin = self.timers.get("generation")
+
+    def end(self, step: int, seconds: float) -> None:
+        self.per_step.append(self.timers.get("generation") - self.at_begin)
+
+
+def run_worker(args) -> int:
+    import torch
+    from transformers import set_seed
+
+    from fusedalign.models import load_tokenizer
+
+    run, cuda = grpo.RUNS[args.worker], args.device == "cuda"
+    timers = Timers(device_sync(cuda))
+    peak = (lambda: torch.cuda.max_memory_allocated() / 2**30) if cuda else (lambda: None)
+    with runner.worker_result(args.result, peak) as result:
+        result.update(config=run.name)
+        set_seed(args.seed)
+        vocab = model_config(args.tiny).vocab_size
+        split = GenerationSplit(timers)
+        callback = step_timer(timers.sync, [split])
+        output_dir = os.path.join(os.path.dirname(os.path.abspath(args.result)), f"out-{run.name}")
+        with timers("init"):
+            trainer = grpo.build(run, args, output_dir, grpo.prompt_rows(args, vocab),
+                                 load_tokenizer("builtin:tiny-qwen2"), callback, timers, vocab)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        trainer.train()
+        stats = steady(callback.begin, callback.end, args.warmup_steps, args.timed_steps)
+        timed = slice(args.warmup_steps, args.total_steps)
+        shares = [g / s for g, s in zip(split.per_step[timed], stats["step_times"])] if split.per_step else []
+        lengths = [e["completions/mean_length"] for e in callback.logs if "completions/mean_length" in e]
+        completions = args.prompts * args.num_generations
+        result.update(stats, status="ok", peak_gib=peak(), logs=callback.logs,
+                      completions_per_s=completions / stats["median_step_s"],
+                      generation_share=statistics.median(shares) if shares and any(shares) else None,
+                      mean_completion_length=statistics.mean(lengths) if lengths else None)
+    log(json.dumps({k: v for k, v in result.items() if k not in ("logs", "step_times")}))
+    return 0 if result["status"] in ("ok", "OOM") else 1
+
+
+def table(args, results: dict) -> str:
+    base = results.get("trl") if results.get("trl", {}).get("status") == "ok" else None
+    rows = []
+    for name in args.configs:
+        r = results[name]
+        if r.get("status") != "ok":
+            rows.append([name, r.get("reason") or f"{r['status']}: {r.get('error', '')[:80]}", "", "", "", "", "", ""])
+            continue
+        share = r.get("generation_share")
+        rows.append([name, f"{r['completions_per_s']:,.1f}", f"{r['median_step_s']:.2f}",
+                     fmt(None if share is None else 100 * share, ".0f"),
+                     fmt(None if share is None else 100 * (1 - share), ".0f"),
+                     fmt(r.get("mean_completion_length"), ".0f"), fmt(r.get("peak_gib"), ".1f"),
+                     ratio(r["completions_per_s"], base["completions_per_s"]) if base else "—"])
+    title = (f"### GRPO, {args.prompts} prompts x {args.num_generations} completions x <= {args.new_tokens} new "
+             f"tokens a step ({args.prompt_length}-token prompts, micro-batch {args.per_device_train_batch_size}, "
+             f"{args.timed_steps} timed steps after {args.warmup_steps})")
+    columns = ["config", "completions/s", "s a step", "generation %", "training %", "mean completion tokens",
+               "peak GiB", "vs trl"]
+    return title + "\n\n" + markdown(columns, rows, numeric=set(range(1, 8)))
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return run_worker(args)
+    log("versions: " + versions_line(versions()))
+    log(f"device: {gpu_info(0) if args.device == 'cuda' else 'cpu'}")
+    args.configs = args.configs or list(grpo.DEFAULT)
+    skipped = grpo.availability(args.device)
+    args.log_dir = os.path.abspath(args.log_dir or tempfile.mkdtemp(prefix="e2e_grpo-"))
+    os.makedirs(args.log_dir, exist_ok=True)
+    own_model = args.model_dir is None
+    if own_model:
+        args.model_dir = tempfile.mkdtemp(prefix="e2e_grpo-model-")
+        log("model: " + build_model(args.model_dir, tiny=args.tiny, dtype=args.dtype, seed=args.seed))
+    results = {}
+    try:
+        for name in args.configs:
+            if skipped[name]:
+                log(f"{name}: skipped: {skipped[name]}")
+                results[name] = {"status": "skipped", "reason": f"skipped: {skipped[name]}"}
+                continue
+            argv = [sys.executable, "-u", os.path.abspath(__file__), "--worker", name]
+            for key in ("device", "prompts", "num_generations", "new_tokens", "prompt_length",
+                        "per_device_train_batch_size", "warmup_steps", "timed_steps", "learning_rate", "beta",
+                        "loss_type", "dtype", "seed", "model_dir"):
+                argv += [f"--{key}", str(getattr(args, key))]
+            argv += ["--tiny"] if args.tiny else []
+            log(f"{name}: running ...")
+            results[name] = runner.launch(argv, f"grpo-{name}", log_dir=args.log_dir, device=args.device,
+                                          timeout=args.worker_timeout)
+    finally:
+        if own_model:
+            shutil.rmtree(args.model_dir, ignore_errors=True)
+    text = table(args, results)
+    log("\n" + text + "\n")
+    with open(args.json_out or os.path.join(args.log_dir, "results.json"), "w") as f:
+        json.dump({"versions": versions(), "argv": sys.argv, "settings": {k: getattr(args, k) for k in vars(args)},
+                   "skipped": skipped, "results": results}, f, indent=1, default=str)
+    if args.markdown_out:
+        Path(args.markdown_out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
