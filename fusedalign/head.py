@@ -151,7 +151,9 @@ class FusedHead:
                 for name, value in out._asdict().items()
             }
         )
-        return self.last.logps
+        # A tensor of its own, not a view of the op's [N] output: FSDP2 registers its pre-backward
+        # hook on a module's output and warns that an in-place op on a returned view would drop it.
+        return self.last.logps.clone()
 
 
 def _plain_forward(state: FusedHead) -> Callable:

@@ -76,8 +76,12 @@ def setup_distributed() -> DistributedBackend:
         os.environ["ACCELERATE_USE_CPU"] = "false"
         import deepspeed
 
+        from fusedalign.distributed import extensions
+
         if not deepspeed.comm.is_initialized():
-            deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+            extensions.announce(is_main=os.environ.get("RANK", "0") == "0")  # the first launch compiles
+            with extensions.quiet_build_report():
+                deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
     return backend
 
 
@@ -114,6 +118,7 @@ def configure_cpu_arguments(args: Any) -> None:
         args.ddp_backend = "gloo"
     else:
         args.use_cpu = True
+    args.dataloader_pin_memory = False  # nothing to pin for: the DataLoader warns on every run otherwise
 
 
 def prepare_trainer_process(args: Any) -> None:
