@@ -127,7 +127,8 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         return len(self.batches)
 
     def __iter__(self) -> Iterator[list[int]]:
-        order = _permutation(len(self.batches), self.seed + 1 + self.epoch) if self.shuffle else range(len(self.batches))
+        n = len(self.batches)
+        order = _permutation(n, self.seed + 1 + self.epoch) if self.shuffle else range(n)
         for j in order:
             yield list(self.batches[j])
 

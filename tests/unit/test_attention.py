@@ -180,7 +180,8 @@ def test_layers_that_carry_state_across_the_row_are_refused():
 def test_mixed_layer_types_without_a_mask_per_type_are_refused_once_the_window_matters():
     """LlamaModel's forward takes one mask for every layer (no dict per layer type)."""
     model = _with_config("llama", "sdpa", layer_types=["sliding_attention", "full_attention"], sliding_window=12)
-    short = [r for r in ROWS["uneven"] if len(r["prompt_ids"]) + max(len(r["chosen_ids"]), len(r["rejected_ids"])) <= 12]
+    short = [r for r in ROWS["uneven"]
+             if len(r["prompt_ids"]) + max(len(r["chosen_ids"]), len(r["rejected_ids"])) <= 12]
     assert short
     attention_inputs(model, preference_batch(short, share_prompt=True))  # no position reaches the window
     attention_inputs(model, preference_batch(ROWS["long"]))  # padding-free: transformers' builders keep windows
