@@ -8,7 +8,9 @@ and writes the gradient over it. This times both, alone, on the two shapes they 
 - a block of the loss-aware op: one DPO pair, [2 x 1792, V] = [3584, 151936].
 
 and prints, per launch shape, the median time and the bandwidth it reaches (bytes the
-kernel must move / time), against a device-to-device copy of the same bytes.
+kernel must move / time), against a device-to-device copy of the same bytes; for the
+backward kernel also its time with the entropy's gradient compiled in (ENTROPY_GRAD,
+`head_logprobs(..., entropy_grad=True)`), which reads two more fp32 values a row.
 
     python benchmarks/head_kernels.py                    # CUDA only
     python benchmarks/head_kernels.py --repeats 20
@@ -71,8 +73,8 @@ def main(argv=None) -> None:
         nbytes = x.numel() * x.element_size()
         print(f"\n### {title}: {nbytes / 2**20:.0f} MiB of bf16 logits; a copy (read + write) takes "
               f"{copy_ms:.3f} ms = {2 * nbytes / copy_ms / 1e6:.0f} GB/s\n")
-        print("| kernel | BLOCK_R | BLOCK_C | warps | ms | GB/s |")
-        print("|---|---:|---:|---:|---:|---:|")
+        print("| kernel | BLOCK_R | BLOCK_C | warps | ms | GB/s | ms with the entropy gradient |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
         for br, bc, warps in FWD_SHAPES:
             def fwd():
                 K.fwd_chunk_kernel[(triton.cdiv(n, br),)](
@@ -80,18 +82,20 @@ def main(argv=None) -> None:
                     HAS_BIAS=False, HAS_LORA=False, HAS_SOFTCAP=False, ENTROPY=False, MEAN=False, ARGMAX=False,
                     ACCURATE_TANH=True, BLOCK_R=br, BLOCK_C=bc, num_warps=warps)
             ms = timed(fwd, args.repeats)
-            print(f"| fwd_chunk_kernel | {br} | {bc} | {warps} | {ms:.3f} | {nbytes / ms / 1e6:.0f} |")
+            print(f"| fwd_chunk_kernel | {br} | {bc} | {warps} | {ms:.3f} | {nbytes / ms / 1e6:.0f} | — |")
         m, s = state[0], state[1]
         lse2 = m + torch.log2(s)
+        entropy = torch.rand(n, device="cuda", generator=gen) * 5
         for br, bc, warps in BWD_SHAPES:
-            def bwd():
+            def bwd(entropy_grad: bool):
                 K.bwd_chunk_kernel[(triton.cdiv(n, br), triton.cdiv(c, bc))](
-                    x, c, x, c, x, labels, lse2, gs, labels, c, n, 0, c, *kernel_scalars,
+                    x, c, x, c, x, labels, lse2, gs, gs, entropy, labels, c, n, 0, c, *kernel_scalars,
                     HAS_BIAS=False, HAS_LORA=False, HAS_SOFTCAP=False, BIAS_GRAD=False, LORA_GRAD=False,
-                    ACCURATE_TANH=True, BLOCK_R=br, BLOCK_C=bc, num_warps=warps)
+                    ENTROPY_GRAD=entropy_grad, ACCURATE_TANH=True, BLOCK_R=br, BLOCK_C=bc, num_warps=warps)
                 # x now holds a gradient; the next run overwrites it again (same work).
-            ms = timed(bwd, args.repeats)
-            print(f"| bwd_chunk_kernel | {br} | {bc} | {warps} | {ms:.3f} | {2 * nbytes / ms / 1e6:.0f} |")
+            ms = timed(lambda: bwd(False), args.repeats)
+            ms_h = timed(lambda: bwd(True), args.repeats)
+            print(f"| bwd_chunk_kernel | {br} | {bc} | {warps} | {ms:.3f} | {2 * nbytes / ms / 1e6:.0f} | {ms_h:.3f} |")
 
 
 if __name__ == "__main__":

@@ -41,8 +41,10 @@ class TokenLogProbs(NamedTuple):
     Attributes:
         logps: [B, T] float32 log-prob of each label, 0 where the label is ignored.
             Carries the gradient (through every hook the backend attached).
-        entropy: [B, T] float32 entropy of the predictive distribution, detached, or None.
-            0 where the label is ignored (those positions are not computed).
+        entropy: [B, T] float32 entropy of the predictive distribution, or None; detached
+            unless asked for with `entropy_grad`, then carrying its gradient (through the
+            model's output, as `logps` does). 0 where the label is ignored (those positions
+            are not computed).
         logit_mean: [B, T] float32 mean over the vocabulary of the logits, detached, or None;
             0 where the label is ignored.
         argmax_match: [B, T] bool, whether the most likely token is the label, or None.
@@ -117,7 +119,8 @@ class FusedHead:
     def compute(
         self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, low_rank: LowRank | None
     ) -> torch.Tensor:
-        """Runs the op for hidden `[B, T', H]` and returns log-probs `[B, T']`."""
+        """Runs the op for hidden `[B, T', H]`; returns log-probs `[B, T']`, or `[B, T', 2]`
+        (log-probs, entropy) stacked when the entropy's gradient was asked for."""
         batch, kept, width = hidden.shape
         labels = self.labels
         if labels.shape[0] != batch or labels.shape[1] < kept:
@@ -151,6 +154,10 @@ class FusedHead:
                 for name, value in out._asdict().items()
             }
         )
+        if self.stats_requested.get("entropy_grad"):
+            # Both outputs leave through the module's return value, where ZeRO-3 arms its hooks
+            # (a new tensor, not a view: see below).
+            return torch.stack([self.last.logps, self.last.entropy], dim=-1)  # [B, T', 2]
         # A tensor of its own, not a view of the op's [N] output: FSDP2 registers its pre-backward
         # hook on a module's output and warns that an in-place op on a returned view would drop it.
         return self.last.logps.clone()
@@ -266,6 +273,7 @@ def fused_head(
     logit_mean: bool = False,
     argmax: bool = False,
     row_loss: RowLoss | None = None,
+    entropy_grad: bool = False,
 ) -> Iterator[FusedHead]:
     """Makes `model(...)` return per-token log-probs of `labels` instead of logits.
 
@@ -280,6 +288,8 @@ def fused_head(
             -100 where nothing is scored.
         temperature: Divides the logits inside the softmax.
         entropy, logit_mean, argmax: Which detached per-token statistics to compute in the same pass.
+        entropy_grad: The entropy with its gradient; the model then returns `[B, T, 2]`
+            (log-probs, entropy) stacked where it would return logits.
         row_loss: The loss the log-probs feed, as a function of each row's sum (`RowLoss`), so that
             the head forms its gradient in the forward; None for the ordinary per-token op.
 
@@ -291,8 +301,8 @@ def fused_head(
         raise ValueError(f"fused_head: labels must be [batch, seq_len], got shape {tuple(labels.shape)}.")
     lm = unwrap_model(model)
     post = post_processing_of(lm)
-    state = FusedHead(labels, post, temperature, {"entropy": entropy, "logit_mean": logit_mean, "argmax": argmax},
-                      row_loss)
+    stats = {"entropy": entropy, "logit_mean": logit_mean, "argmax": argmax, "entropy_grad": entropy_grad}
+    state = FusedHead(labels, post, temperature, stats, row_loss)
     head = _head_module(lm)
     forward = _lora_forward(state) if _is_lora_layer(head) else _plain_forward(state)
     if not _is_lora_layer(head) and not isinstance(head, nn.Linear):
@@ -321,21 +331,25 @@ def logprobs_from_logits(
     entropy: bool = False,
     logit_mean: bool = False,
     argmax: bool = False,
+    entropy_grad: bool = False,
 ) -> TokenLogProbs:
     """The unfused computation: log_softmax over materialised logits, then gather.
 
     Args:
         logits: [B, T, V] the model's logits (after its own post-processing).
         labels: [B, T] position-aligned labels, -100 where ignored.
+        entropy_grad: the entropy keeps its gradient (implies `entropy`).
     """
     z = logits if logits.dtype == torch.float64 else logits.float()  # [B, T, V]
     logprobs = torch.log_softmax(z / temperature, dim=-1)  # [B, T, V]
     ignored = labels == IGNORE_INDEX
     safe = labels.masked_fill(ignored, 0)
     logps = logprobs.gather(-1, safe.unsqueeze(-1)).squeeze(-1).masked_fill(ignored, 0.0)  # [B, T]
+    ent = (-(logprobs.exp() * logprobs).sum(-1)).masked_fill(ignored, 0.0) if entropy_grad else None
     with torch.no_grad():
         # Statistics of scored positions only, 0 elsewhere, as the fused op gives them.
-        ent = (-(logprobs.exp() * logprobs).sum(-1)).masked_fill(ignored, 0.0) if entropy else None
+        if entropy and not entropy_grad:
+            ent = (-(logprobs.exp() * logprobs).sum(-1)).masked_fill(ignored, 0.0)
         mean = z.mean(-1).masked_fill(ignored, 0.0) if logit_mean else None
         match = (z.argmax(-1) == labels) & ~ignored if argmax else None
     return TokenLogProbs(logps, ent, mean, match)
@@ -352,6 +366,7 @@ def token_logprobs(
     logit_mean: bool = False,
     argmax: bool = False,
     row_loss: RowLoss | None = None,
+    entropy_grad: bool = False,
 ) -> TokenLogProbs:
     """Per-token log-probs of `labels` from one ordinary forward of `model`.
 
@@ -364,8 +379,9 @@ def token_logprobs(
         labels: [B, T] position-aligned labels, -100 where ignored.
         row_loss: The loss the log-probs feed, per row sum (fused only: lets the head form its
             gradient in the forward; the unfused path computes the same function without it).
+        entropy_grad: Return the entropy with its gradient (GRPO's entropy bonus), fused or not.
     """
-    stats = {"entropy": entropy, "logit_mean": logit_mean, "argmax": argmax}
+    stats = {"entropy": entropy, "logit_mean": logit_mean, "argmax": argmax, "entropy_grad": entropy_grad}
     if not fused:
         logits = model(**inputs, use_cache=False).logits
         return logprobs_from_logits(logits, labels, temperature=temperature, **stats)
@@ -379,11 +395,15 @@ def token_logprobs(
     # (ZeRO-3) attach their backward hooks to module outputs, so the gradient must
     # flow through what the model returned.
     logps = out.logits
-    if logps.shape != head.last.logps.shape:
+    produced = head.last.logps.shape + ((2,) if entropy_grad else ())
+    if logps.shape != produced:
         raise RuntimeError(
             f"fused_head: the model returned {tuple(logps.shape)} where the head produced "
-            f"{tuple(head.last.logps.shape)}; the model transforms the head's output in a way fused_head "
+            f"{tuple(produced)}; the model transforms the head's output in a way fused_head "
             "does not understand. Use fused_head=False."
         )
     last = head.last
-    return TokenLogProbs(logps, last.entropy, last.logit_mean, last.argmax_match)
+    entropy_out = last.entropy
+    if entropy_grad:  # the entropy's gradient, too, flows through the model's output
+        logps, entropy_out = logps.unbind(-1)
+    return TokenLogProbs(logps, entropy_out, last.logit_mean, last.argmax_match)

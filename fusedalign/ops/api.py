@@ -28,6 +28,7 @@ def head_logprobs(
     ignore_index: int = -100,
     low_rank: LowRank | None = None,
     entropy: bool = False,
+    entropy_grad: bool = False,
     logit_mean: bool = False,
     argmax: bool = False,
     chunk_size: int | None = None,
@@ -59,7 +60,15 @@ def head_logprobs(
         logit_scale: multiplies the logits before the softcap (e.g. Cohere's logit_scale).
         ignore_index: label value meaning "not scored".
         low_rank: a LoRA adapter on the head (down [N, r], up [V, r], scale), or None.
-        entropy: also return the entropy of softmax(z / temperature), detached.
+        entropy: also return the entropy H of softmax(z / temperature), detached.
+        entropy_grad: also return H, differentiable (implies `entropy`): an upstream
+            gradient g^H on it adds, per logit, with p = softmax(z / T),
+
+                d/dz_j [g^H H] = g^H * (-(p_j / T) * (log p_j + H))
+
+            next to the log-prob's g * (onehot_j - p_j) / T; both then pass through the
+            softcap's 1 - tanh^2(a_j / softcap) and logit_scale to the inputs. Ignored rows
+            get no gradient from either. Not with `sequence_loss` (ValueError).
         logit_mean: also return the mean of z over the vocabulary, detached.
         argmax: also return whether argmax(z) == label.
         chunk_size: tokens per chunk; overrides `memory_budget_bytes`.
@@ -79,14 +88,16 @@ def head_logprobs(
             upstream gradient when the backward pass ends, which raises
             `DeclaredLossMismatch` if they differ. Not used with low_rank, by "reference",
             without gradients, or when one group alone exceeds `block_budget_bytes`.
+            Refused with `entropy_grad`: a loss with an entropy term is not a function of
+            the sequence sums alone, which is what the declaration promises.
         block_budget_bytes: bytes for one block's logits in the loss-aware mode (default
             4 GiB on CUDA, 256 MiB elsewhere). Peak extra memory is that block plus fp32
             [N, H] and [V, H] gradients held from forward to backward.
 
     Returns:
         HeadOutput with `logps` [N] float32 and the requested statistics ([N] float32, or
-        bool for `argmax_match`), the name of the backend that ran and whether the
-        loss-aware mode ran.
+        bool for `argmax_match`; detached, except the entropy with `entropy_grad`), the name
+        of the backend that ran and whether the loss-aware mode ran.
 
     Raises:
         ValueError: a shape, value or backend name is wrong (the message names it).
@@ -105,6 +116,12 @@ def head_logprobs(
     rows = scored.nonzero().squeeze(1)  # one host sync
     if sequence_loss is not None:
         check_sequence_loss(sequence_loss, labels.shape[0], hidden.device)
+        if entropy_grad:
+            raise ValueError(
+                "head_logprobs: sequence_loss and entropy_grad=True cannot be combined: a declared "
+                "SequenceLoss is a function of the sequences' log-prob sums alone, and a loss that also "
+                "takes the entropy is not; pass sequence_loss=None for the per-token op"
+            )
     any_scored = rows.numel() > 0
     if rows.numel() == labels.shape[0]:
         rows = None  # nothing to skip: the backend sees every row
@@ -121,7 +138,8 @@ def head_logprobs(
         logit_scale=_finite("logit_scale", logit_scale),
         ignore_index=ignore_index,
         low_rank_scale=0.0 if low_rank is None else _finite("low_rank.scale", low_rank.scale),
-        entropy=bool(entropy),
+        entropy=bool(entropy) or bool(entropy_grad),
+        entropy_grad=bool(entropy_grad),
         logit_mean=bool(logit_mean),
         argmax=bool(argmax),
         chunk_rows=resolve_chunk_rows(n, v, hidden.device, chunk_size, memory_budget_bytes),

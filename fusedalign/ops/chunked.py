@@ -16,6 +16,18 @@ without a softcap), y = z / T and p = softmax(y):
 
 and every parameter gradient follows from G = g_i * logit_scale * d logp_i / d a_ij by
 one GEMM each (h: G W, W: G^T h, b: sum_i G, down: s G up, up: s G^T down).
+
+With `entropy_grad` the entropy H_i = -sum_j p_ij log p_ij carries a gradient too. From
+d log p_ik / d y_ij = onehot_jk - p_ij,
+
+    d H_i / d y_ij = -sum_k p_ik (onehot_jk - p_ij)(log p_ik + 1) = -p_ij (log p_ij + H_i)
+
+so an upstream gradient g^H_i on the entropy adds its term next to the log-prob's:
+
+    G_ij = logit_scale / T * (1 - tanh^2(a_ij / c)) * (g_i (onehot_ij - p_ij) - g^H_i p_ij (log p_ij + H_i))
+
+(the tanh factor only with a softcap). The backward then needs H [N] from the forward, and
+one more [rows, V] buffer per chunk (p next to log p).
 """
 
 from __future__ import annotations
@@ -58,20 +70,26 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
         # softmax must stay in fp32 whatever autocast would choose.
         with torch.autocast(hidden.device.type, enabled=False):
             out = _forward(hidden, weight, labels, bias, down, up, opts)
-        ctx.save_for_backward(hidden, weight, labels, bias, down, up, out[-1])
+        entropy = out[1] if opts.entropy_grad else None
+        ctx.save_for_backward(hidden, weight, labels, bias, down, up, out[-1], entropy)
         ctx.opts = opts
-        stats = [t for t in out[1:4] if t is not None]
+        stats = [t for t in out[1:4] if t is not None and t is not entropy]
         ctx.mark_non_differentiable(*stats)
+        if opts.entropy_grad:  # an output the loss does not use gets None, not zeros: no work for it
+            ctx.set_materialize_grads(False)
         return out[:4]
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_logps, _grad_entropy, _grad_mean, _grad_argmax):
-        hidden, weight, labels, bias, down, up, lse = ctx.saved_tensors
+    def backward(ctx, grad_logps, grad_entropy, _grad_mean, _grad_argmax):
+        hidden, weight, labels, bias, down, up, lse, entropy = ctx.saved_tensors
         needs = ctx.needs_input_grad  # (hidden, weight, labels, bias, down, up, opts)
+        if grad_logps is None:  # only the entropy feeds the loss
+            grad_logps = torch.zeros_like(lse)
+        ent = None if grad_entropy is None or entropy is None else (grad_entropy, entropy)
         with torch.autocast(hidden.device.type, enabled=False):
             grads = _backward(
-                grad_logps, hidden, weight, labels, bias, down, up, lse, ctx.opts,
+                grad_logps, hidden, weight, labels, bias, down, up, lse, ctx.opts, ent,
                 need_h=needs[0], need_w=needs[1], need_b=needs[3],
                 need_down=needs[4], need_up=needs[5],
             )
@@ -148,23 +166,33 @@ def _softmax_input(a: Tensor, opts: HeadOptions) -> tuple[Tensor, Tensor | None]
     return (a.div_(T) if T != 1.0 else a), None
 
 
-def _chunk_gradient(y: Tensor, t: Tensor | None, lse: Tensor, gs: Tensor, safe: Tensor) -> Tensor:
-    """G = gs (onehot - softmax(y)) (1 - t^2), in place over y [n, V].
+def _chunk_gradient(y: Tensor, t: Tensor | None, lse: Tensor, gs: Tensor, safe: Tensor,
+                    ent: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """G = (gs (onehot - p) - gh p (log p + H)) (1 - t^2), p = softmax(y), in place over y [n, V].
 
     t = tanh(a / softcap) (None without a softcap) is consumed; gs [n] already holds
-    g * logit_scale / T and is 0 on ignored rows.
+    g * logit_scale / T and is 0 on ignored rows; ent = (gh, H) [n], gh = g^H * logit_scale / T
+    (0 on ignored rows), or None without an entropy gradient.
     """
     gs = gs[:, None]  # [n, 1]
-    G = y.sub_(lse[:, None]).exp_().mul_(-gs)  # -g p, in place over y: [n, V]
+    if ent is None:
+        G = y.sub_(lse[:, None]).exp_().mul_(-gs)  # -g p, in place over y: [n, V]
+    else:
+        gh, entropy = ent
+        logp = y.sub_(lse[:, None])  # in place over y
+        p = logp.exp()
+        G = logp.add_(entropy[:, None]).mul_(gh[:, None]).add_(gs).mul_(p).neg_()  # -p (gs + gh (log p + H))
+        del p
     G.scatter_add_(1, safe[:, None], gs)  # + g onehot (gs is 0 on ignored rows)
     if t is not None:
         G.mul_(t.square_().neg_().add_(1.0))  # softcap chain rule: 1 - tanh^2
     return G
 
 
-def _backward(g, hidden, weight, labels, bias, down, up, lse, opts: HeadOptions,
+def _backward(g, hidden, weight, labels, bias, down, up, lse, opts: HeadOptions, ent=None,
               *, need_h: bool, need_w: bool, need_b: bool, need_down: bool, need_up: bool):
-    """Gradients (hidden, weight, bias, down, up) of sum_i g_i logp_i; None where not needed."""
+    """Gradients (hidden, weight, bias, down, up) of sum_i g_i logp_i (+ g^H_i H_i when ent =
+    (g^H [N], H [N]) is given); None where not needed."""
     n, dev = hidden.shape[0], hidden.device
     cdt = compute_dtype(hidden.dtype)
     T = opts.temperature
@@ -172,6 +200,8 @@ def _backward(g, hidden, weight, labels, bias, down, up, lse, opts: HeadOptions,
     safe = labels.masked_fill(~valid, 0)
     # Ignored positions get exactly zero gradient, even if the upstream sent NaN there.
     gs = torch.where(valid, g.to(cdt), 0.0) * (opts.logit_scale / T)  # [N]
+    if ent is not None:
+        ent = (torch.where(valid, ent[0].to(cdt), 0.0) * (opts.logit_scale / T), ent[1])
 
     # Contiguous row-major buffers, so each chunk's rows are one block for `out=`.
     g_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=dev) if need_h else None
@@ -186,7 +216,7 @@ def _backward(g, hidden, weight, labels, bias, down, up, lse, opts: HeadOptions,
         sl = slice(start, start + opts.chunk_rows)
         h_c, down_c = hidden[sl], None if down is None else down[sl]
         y, t = _softmax_input(_scaled_logits(h_c, weight, bias, down_c, up, opts, cdt), opts)
-        G = _chunk_gradient(y, t, lse[sl], gs[sl], safe[sl])
+        G = _chunk_gradient(y, t, lse[sl], gs[sl], safe[sl], None if ent is None else (ent[0][sl], ent[1][sl]))
         del t
         # G = d(sum g logp) / d(h W^T + b + s down up^T) for this chunk, in cdt.
         G_in = G.to(hidden.dtype)  # GEMMs in the input dtype, like the forward

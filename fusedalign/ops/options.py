@@ -52,7 +52,9 @@ class HeadOutput(NamedTuple):
     Attributes:
         logps: [N] float32 (float64 for float64 inputs), log-prob of each label; exactly 0 (and no gradient) where
             labels == ignore_index.
-        entropy: [N] float32, detached entropy of softmax(z / T) (0 where ignored); None unless requested.
+        entropy: [N] float32, entropy of softmax(z / T) (0 where ignored); None unless requested.
+            Detached, unless the call asked for `entropy_grad`: then differentiable (ignored
+            rows excepted), in every input the log-probs are.
         logit_mean: [N] float32, detached mean over the vocabulary of z (0 where ignored); None unless
             requested.
         argmax_match: [N] bool, argmax_v z == label (False where ignored); None unless requested.
@@ -107,6 +109,7 @@ class HeadOptions:
     ignore_index: int = -100
     low_rank_scale: float = 0.0
     entropy: bool = False
+    entropy_grad: bool = False  # implies entropy
     logit_mean: bool = False
     argmax: bool = False
     chunk_rows: int = 1  # tokens per chunk; resolved from the budget before dispatch

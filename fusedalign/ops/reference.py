@@ -36,8 +36,11 @@ def unfused_head_logprobs(
     logps = torch.where(valid, target, 0.0).to(cdt)
 
     entropy = mean = match = None
+    if opts.entropy_grad:  # differentiated by autograd; ignored rows keep their value, get no gradient
+        entropy = -(logp_all.exp() * logp_all).sum(dim=-1).to(cdt)
+        entropy = torch.where(valid, entropy, entropy.detach())
     with torch.no_grad():
-        if opts.entropy:
+        if opts.entropy and not opts.entropy_grad:
             entropy = -(logp_all.exp() * logp_all).sum(dim=-1).to(cdt)
         if opts.logit_mean:
             mean = z.mean(dim=-1).to(cdt)

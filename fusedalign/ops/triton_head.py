@@ -7,10 +7,12 @@ for all N tokens at once; the number of logits per chunk is the torch backend's
 
 Forward, per chunk: L = h W_c^T (cuBLAS) -> `fwd_chunk_kernel` reads L once and folds it
 into per-token running state (online max / sum-exp, label logit, entropy, sum, argmax).
-Saved for backward: the inputs and the base-2 logsumexp [N].
+Saved for backward: the inputs and the base-2 logsumexp [N] (and the entropy [N] with
+`entropy_grad`).
 
 Backward, per chunk: recompute L (cuBLAS) -> `bwd_chunk_kernel` overwrites L with
-G = dlogp/dL * g (input dtype) -> grad_W[c] = G^T h and grad_up[c] = s G^T down are
+G = dlogp/dL * g (+ dH/dL * g^H with `entropy_grad`; the derivation is in `chunked.py`),
+in the input dtype -> grad_W[c] = G^T h and grad_up[c] = s G^T down are
 complete at once (the GEMM sums over all N tokens in fp32 and rounds once), and
 grad_h += G W_c, grad_down += s G up_c accumulate over chunks in fp32.
 
@@ -110,19 +112,25 @@ class _TritonHeadLogprobs(torch.autograd.Function):
     def forward(ctx, hidden, weight, labels, bias, down, up, opts: HeadOptions):
         with torch.autocast(hidden.device.type, enabled=False), on_device(hidden):
             logps, entropy, mean, match, lse2 = _forward(hidden, weight, labels, bias, down, up, opts)
-        ctx.save_for_backward(hidden, weight, labels, bias, down, up, lse2)
+        kept = entropy if opts.entropy_grad else None
+        ctx.save_for_backward(hidden, weight, labels, bias, down, up, lse2, kept)
         ctx.opts = opts
-        ctx.mark_non_differentiable(*[t for t in (entropy, mean, match) if t is not None])
+        ctx.mark_non_differentiable(*[t for t in (entropy, mean, match) if t is not None and t is not kept])
+        if opts.entropy_grad:  # an output the loss does not use gets None, not zeros: no work for it
+            ctx.set_materialize_grads(False)
         return logps, entropy, mean, match
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_logps, _grad_entropy, _grad_mean, _grad_argmax):
-        hidden, weight, labels, bias, down, up, lse2 = ctx.saved_tensors
+    def backward(ctx, grad_logps, grad_entropy, _grad_mean, _grad_argmax):
+        hidden, weight, labels, bias, down, up, lse2, entropy = ctx.saved_tensors
         needs = ctx.needs_input_grad  # (hidden, weight, labels, bias, down, up, opts)
+        if grad_logps is None:  # only the entropy feeds the loss
+            grad_logps = torch.zeros_like(lse2)
+        ent = None if grad_entropy is None or entropy is None else (grad_entropy, entropy)
         with torch.autocast(hidden.device.type, enabled=False), on_device(hidden):
             g_h, g_w, g_b, g_down, g_up = _backward(
-                grad_logps, hidden, weight, labels, bias, down, up, lse2, ctx.opts,
+                grad_logps, hidden, weight, labels, bias, down, up, lse2, ctx.opts, ent,
                 need=(needs[0], needs[1], needs[3], needs[4], needs[5]),
             )
         return g_h, g_w, None, g_b, g_down, g_up, None
@@ -171,13 +179,16 @@ class _RowInputs(NamedTuple):
     lab: Tensor  # [n] int32, the label, -1 where ignored
     lse2: Tensor  # [n] fp32, the forward's base-2 logsumexp
     gs: Tensor  # [n] fp32, g * logit_scale / T, 0 where ignored
+    gh: Tensor | None  # [n] fp32, g^H * logit_scale / T, 0 where ignored (None: no entropy gradient)
+    ent: Tensor | None  # [n] fp32, the forward's entropy (None likewise)
 
     def rows(self, r0: int, r1: int) -> _RowInputs:
-        return _RowInputs(*(t[r0:r1] for t in self))
+        return _RowInputs(*(None if t is None else t[r0:r1] for t in self))
 
 
-def _backward(g, hidden, weight, labels, bias, down, up, lse2, opts: HeadOptions, *, need):
-    """Gradients (hidden, weight, bias, down, up) of sum_i g_i logp_i; None where not needed.
+def _backward(g, hidden, weight, labels, bias, down, up, lse2, opts: HeadOptions, ent=None, *, need):
+    """Gradients (hidden, weight, bias, down, up) of sum_i g_i logp_i (+ g^H_i H_i when ent =
+    (g^H [N], H [N]) is given); None where not needed.
 
     The dispatcher of the two regimes, which follow the forward's row blocks (`row_blocks`):
     one block of every row (`_backward_one_block`) or several (`_backward_row_blocks`).
@@ -185,8 +196,10 @@ def _backward(g, hidden, weight, labels, bias, down, up, lse2, opts: HeadOptions
     n, v = hidden.shape[0], weight.shape[0]
     valid = labels != opts.ignore_index
     # Ignored positions get exactly zero gradient, even if the upstream sent NaN there.
+    scale = opts.logit_scale / opts.temperature
+    gh = None if ent is None else torch.where(valid, ent[0].float(), 0.0) * scale
     per_row = _RowInputs(torch.where(valid, labels, -1).to(torch.int32), lse2,
-                         torch.where(valid, g.float(), 0.0) * (opts.logit_scale / opts.temperature))
+                         torch.where(valid, g.float(), 0.0) * scale, gh, None if ent is None else ent[1])
     if n == 0:
         return _backward_no_rows(hidden, weight, bias, down, up, need)
     blocks = row_blocks(n, v, opts)
@@ -351,7 +364,7 @@ class TritonBlocks(BlockMath):
             gs = torch.where(lab >= 0, coef.float(), 0.0) * (opts.logit_scale / opts.temperature)
             config = launch_shape(BWD_BIAS_CONFIG if need_bias else BWD_CONFIG, n, v, x.is_cuda)
             dbias = torch.empty(triton.cdiv(n, config[0]), v, dtype=torch.float32, device=x.device) if need_bias else None
-            fill_gradient(x, None, bias, lab, lse2, gs, dbias, 0, opts, config, lora_grad=False)
+            fill_gradient(x, None, bias, lab, lse2, gs, None, None, dbias, 0, opts, config, lora_grad=False)
         return x, (dbias.sum(dim=0) if need_bias else None)
 
 

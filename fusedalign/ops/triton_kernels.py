@@ -9,9 +9,10 @@ a single pass over a chunk `L = [N, C]` of raw logits `h W[c0:c0+C]^T` (input dt
   in base 2 (exp2 of y log2 e, the constants folded on the host: one multiply per
   element between the load and the exponential when there is no softcap);
 - `bwd_chunk_kernel` overwrites L in place with the gradient
-  G = g * logit_scale / T * (onehot - softmax(y)) * (1 - tanh^2)   (the softcap factor
-  only with a softcap), optionally also in the LoRA buffer's dtype, and writes partial
-  column sums of G for the bias gradient.
+  G = logit_scale / T * (g (onehot - p) - g^H p (log p + H)) * (1 - tanh^2), p = softmax(y)
+  (the entropy term only with ENTROPY_GRAD, compiled out otherwise; the softcap factor only
+  with a softcap), optionally also in the LoRA buffer's dtype, and writes partial column
+  sums of G for the bias gradient.
 
 Imported lazily (by `triton_launch.py`) so that a machine without Triton never imports it.
 Under TRITON_INTERPRET=1 the same kernels run on CPU tensors (tests); libdevice is then
@@ -180,20 +181,22 @@ def fwd_chunk_kernel(
 @triton.jit(do_not_specialize=["n_rows", "c0", "c_len"])
 def bwd_chunk_kernel(
     logits_ptr, stride_l, lora_ptr, stride_lr, bias_ptr, labels_ptr, lse2_ptr, gs_ptr,
-    dbias_ptr, stride_db,
+    gh_ptr, ent_ptr, dbias_ptr, stride_db,
     n_rows, c0, c_len,
     logit_scale, lora_scale, softcap, k_u2, k_z2,
     HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    BIAS_GRAD: tl.constexpr, LORA_GRAD: tl.constexpr,
+    BIAS_GRAD: tl.constexpr, LORA_GRAD: tl.constexpr, ENTROPY_GRAD: tl.constexpr,
     ACCURATE_TANH: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """Overwrite a [BLOCK_R, BLOCK_C] tile of the raw logits with the gradient G.
 
-    G = gs * (onehot - 2^(y2 - lse2)) * (1 - tanh^2), gs = g * logit_scale / T (0 where
-    ignored), lse2 = the forward's log2-sum-exp2 of y2, is d(sum_i g_i logp_i) / d(raw
-    logits). It is stored in the logits buffer's dtype (for the base GEMMs), in the LoRA
-    buffer's dtype when LORA_GRAD, and its column sums over the tile's rows go to
-    dbias[pid_r, :] (fp32) when BIAS_GRAD.
+    G = (gs * (onehot - p) - gh * p * (log p + H)) * (1 - tanh^2), p = 2^(y2 - lse2),
+    gs = g * logit_scale / T and gh = g^H * logit_scale / T (0 where ignored), lse2 = the
+    forward's log2-sum-exp2 of y2, H the forward's entropy (natural log), is
+    d(sum_i g_i logp_i + g^H_i H_i) / d(raw logits); the entropy term only when
+    ENTROPY_GRAD (gh_ptr, ent_ptr are read then only). It is stored in the logits buffer's
+    dtype (for the base GEMMs), in the LoRA buffer's dtype when LORA_GRAD, and its column
+    sums over the tile's rows go to dbias[pid_r, :] (fp32) when BIAS_GRAD.
     """
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -221,6 +224,11 @@ def bwd_chunk_kernel(
     p = tl.exp2(y2 - lse2[:, None])
     onehot = (c0 + cols)[None, :] == labels[:, None]
     grad = gs[:, None] * (tl.where(onehot, 1.0, 0.0) - p)
+    if ENTROPY_GRAD:
+        gh = tl.load(gh_ptr + rows, mask=rmask, other=0.0)
+        ent = tl.load(ent_ptr + rows, mask=rmask, other=0.0)
+        logp = (y2 - lse2[:, None]) * 0.6931471805599453  # natural log p = ln 2 * log2 p
+        grad = grad - gh[:, None] * p * (logp + ent[:, None])  # dH/dy = -p (log p + H)
     if HAS_SOFTCAP:
         grad = grad * (1.0 - t * t)
     tl.store(logits_ptr + offs, grad.to(logits_ptr.dtype.element_ty), mask=mask)

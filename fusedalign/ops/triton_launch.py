@@ -103,25 +103,27 @@ def fold(x: Tensor, lx: Tensor | None, bias: Tensor | None, lab: Tensor, state, 
 
 
 def fill_gradient(x: Tensor, lx: Tensor | None, bias: Tensor | None, lab: Tensor, lse2: Tensor, gs: Tensor,
-                  dbias: Tensor | None, c0: int, opts: HeadOptions, config: tuple[int, int, int], *,
-                  lora_grad: bool) -> None:
+                  gh: Tensor | None, ent: Tensor | None, dbias: Tensor | None, c0: int, opts: HeadOptions,
+                  config: tuple[int, int, int], *, lora_grad: bool) -> None:
     """Overwrites the chunk x = [n, C] (columns c0 .. c0 + C of the raw logits h W^T) with
-    G = d(sum_i g_i logp_i) / du, and the adapter's logits lx [n, C] too when `lora_grad`.
+    G = d(sum_i g_i logp_i + g^H_i H_i) / du, and the adapter's logits lx [n, C] too when
+    `lora_grad`.
 
-    lab [n] int32 (-1 where ignored), lse2 [n] and gs [n] = g logit_scale / T (fp32) are the
-    rows' inputs; dbias [row tiles, >= C] fp32 receives G's column sums per row tile (None:
-    no bias gradient).
+    lab [n] int32 (-1 where ignored), lse2 [n], gs [n] = g logit_scale / T, and (for the
+    entropy's gradient, else None) gh [n] = g^H logit_scale / T and the entropy ent [n],
+    all fp32, are the rows' inputs; dbias [row tiles, >= C] fp32 receives G's column sums
+    per row tile (None: no bias gradient).
     """
     n, cl = x.shape
     br, bc, warps = config
     kernels().bwd_chunk_kernel[(triton.cdiv(n, br), triton.cdiv(cl, bc))](
         x, x.stride(0), x if lx is None else lx, cl if lx is None else lx.stride(0),
-        x if bias is None else bias, lab, lse2, gs,
+        x if bias is None else bias, lab, lse2, gs, gs if gh is None else gh, gs if ent is None else ent,
         lab if dbias is None else dbias, cl if dbias is None else dbias.stride(0),
         n, c0, cl, *scalars(opts),
         HAS_BIAS=bias is not None, HAS_LORA=lx is not None, HAS_SOFTCAP=opts.softcap is not None,
-        BIAS_GRAD=dbias is not None, LORA_GRAD=lora_grad, ACCURATE_TANH=x.is_cuda,
-        BLOCK_R=br, BLOCK_C=bc, num_warps=warps,
+        BIAS_GRAD=dbias is not None, LORA_GRAD=lora_grad, ENTROPY_GRAD=gh is not None,
+        ACCURATE_TANH=x.is_cuda, BLOCK_R=br, BLOCK_C=bc, num_warps=warps,
     )
 
 

@@ -170,3 +170,52 @@ def test_lora_dropout_on_the_head_matches_unfused_with_the_same_mask():
     torch.manual_seed(5)
     got = token_logprobs(model, inputs, labels, fused=True).logps
     torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-9)
+
+
+def _run_entropy_grad(model, inputs, labels, fused, upstream):
+    """Values and every parameter's gradient of sum g logp + sum g^H H (GRPO's entropy bonus)."""
+    model.zero_grad(set_to_none=True)
+    out = token_logprobs(model, inputs, labels, fused=fused, entropy_grad=True)
+    assert out.entropy.requires_grad
+    ((out.logps * upstream[0]).sum() + (out.entropy * upstream[1]).sum()).backward()
+    return out, _grads(model)
+
+
+@pytest.mark.parametrize("name, lora", [("builtin:tiny-qwen2", False), ("builtin:tiny-gemma2", False),
+                                        ("builtin:tiny-qwen2", True)], ids=["qwen2", "gemma2_softcap", "qwen2_lora_head"])
+def test_entropy_grad_fused_equals_unfused_values_and_every_gradient(name, lora):
+    model = _model(name, head_scale=400.0 if "gemma2" in name else 1.0)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "lm_head"],
+                                                 init_lora_weights=False))
+    inputs, labels = _batch(model)
+    gen = torch.Generator().manual_seed(3)
+    upstream = [torch.randn(labels.shape, dtype=torch.float64, generator=gen) for _ in range(2)]
+    ref, ref_grads = _run_entropy_grad(model, inputs, labels, False, upstream)
+    got, got_grads = _run_entropy_grad(model, inputs, labels, True, upstream)
+    torch.testing.assert_close(got.logps, ref.logps, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(got.entropy, ref.entropy, rtol=1e-9, atol=1e-9)
+    assert (got.entropy[labels == -100] == 0).all() and (got.entropy[labels != -100] > 0).all()
+    assert set(got_grads) == set(ref_grads) and ref_grads
+    if lora:
+        assert any("lm_head" in n and "lora_" in n for n in got_grads)
+    for param_name, grad in ref_grads.items():
+        torch.testing.assert_close(got_grads[param_name], grad, rtol=1e-8, atol=1e-10, msg=param_name)
+    # The entropy's term is really in those gradients: without it they differ.
+    model.zero_grad(set_to_none=True)
+    plain = token_logprobs(model, inputs, labels, fused=True)
+    (plain.logps * upstream[0]).sum().backward()
+    head_grad = next(n for n in ref_grads if "lm_head" in n or "embed_tokens" in n)
+    assert not torch.allclose(_grads(model)[head_grad], ref_grads[head_grad])
+
+
+def test_entropy_grad_through_fused_head_directly_returns_both_stacked():
+    model = _model("builtin:tiny-qwen2")
+    inputs, labels = _batch(model)
+    with fused_head(model, labels, entropy_grad=True) as head:
+        stacked = model(**inputs).logits
+    assert stacked.shape == (*labels.shape, 2)
+    torch.testing.assert_close(stacked[..., 0], head.last.logps, rtol=0, atol=0)
+    torch.testing.assert_close(stacked[..., 1], head.last.entropy, rtol=0, atol=0)
