@@ -34,6 +34,30 @@ def describe(args, length: int) -> str:
             "truncated")
 
 
+def grouping_note(args, length: int) -> str:
+    """How much TRL's length grouping pads here against a full epoch's mega-batches.
+
+    transformers' LengthGroupedSampler sorts mega-batches of min(N / (4 P), 50) steps of
+    P pairs: over this benchmark's few timed steps that is less than over a real dataset,
+    so the padding it would reach there is simulated on a larger draw of the same fits.
+    """
+    import torch
+    from transformers.trainer_pt_utils import get_length_grouped_indices
+
+    fits = lengths.DATASETS[args.real_lengths]
+    timed = args.timed_steps * args.pairs
+    here = max(1, min(timed // (4 * args.pairs), 50))
+    big = lengths.sample_pairs(fits, 200 * args.pairs, seed=args.seed + 1, max_length=length)
+    rows = [p + max(c, r) for p, c, r in zip(big["prompt"], big["chosen"], big["rejected"])]
+    order = get_length_grouped_indices(rows, args.pairs, generator=torch.Generator().manual_seed(args.seed))
+    every = list(range(len(rows)))
+    ratio = lengths.padded_tokens(big, order, args.per_device_train_batch_size) / lengths.unique_tokens(big, every)
+    random = lengths.padded_tokens(big, every, args.per_device_train_batch_size) / lengths.unique_tokens(big, every)
+    return (f"TRL's group_by_length sorts mega-batches of {here} step(s) of {args.pairs} pairs here; over "
+            f"{len(rows)} pairs (mega-batches of 50 steps) it would run {ratio:.2f} backbone tokens per unique "
+            f"token, against {random:.2f} padded in random order (simulated, not trained)")
+
+
 def table(length: int, results: dict[str, dict], skipped: dict, args) -> str:
     base = results.get("trl_liger") if results.get("trl_liger", {}).get("status") == "ok" else None
     title = (f"### {args.real_lengths}, max_length {length} ({args.pairs} pairs/step, micro-batch "
@@ -103,6 +127,8 @@ def real_lengths(args, skipped) -> tuple[dict, list[str]]:
         else:
             log(f"  {config}: {r['status']} ({r.get('error', '')[:200]})")
     text = describe(args, length) + "\n\n" + table(length, results, skipped, args)
+    if any(run.order == "grouped" for name, run in REAL.items() if name in args.configs):
+        text += "\n\n" + grouping_note(args, length)
     log("\n" + text + "\n")
     check_agreement(length, results, args)
     return {str(length): results}, [text]
