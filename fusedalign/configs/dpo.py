@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from fusedalign.configs.common import TRUNCATION_MODES, FusedAlignConfig, check_choice
 from fusedalign.losses import DPO_LOSSES, DPOOptions, check_dpo_args
@@ -20,15 +21,31 @@ class DPOConfig(FusedAlignConfig):
         metadata={"help": "One or more of: " + ", ".join(DPO_LOSSES) + "."},
     )
     loss_weights: list[float] | None = field(default=None, metadata={"help": "Weight of each loss_type."})
-    label_smoothing: float = field(default=0.0)
+    label_smoothing: float = field(
+        default=0.0,
+        metadata={"help": "Assumed rate of flipped preference labels, in [0, 0.5]. With loss_type sigmoid it gives "
+                  "conservative DPO (cDPO): -(1-eps) log sigmoid(beta h) - eps log sigmoid(-beta h); TRL 1.16 ignores "
+                  "it for sigmoid (see the README's differences from TRL). robust, exo_pair, aot and aot_pair use "
+                  "it as TRL does."},
+    )
     discopop_tau: float = field(default=0.05)
     bco_running_mean: bool = field(
-        default=True,
-        metadata={"help": "bco_pair: shift the rewards by the running mean of every reward seen, this batch "
-                  "included (the BCO paper); kept in checkpoints."},
+        default=False,
+        metadata={"help": "bco_pair only: shift the rewards by the running mean of every reward seen, this batch "
+                  "included (the BCO paper, and TRL before 1.x); kept in checkpoints, so a resumed run continues "
+                  "it. Default off: TRL 1.16's bco_pair, no shift."},
     )
-    max_prompt_length: int | None = field(default=512)
-    truncation_mode: str = field(default="keep_end", metadata={"help": "keep_end or keep_start (for completions)."})
+    max_prompt_length: int | None = field(
+        default=None,
+        metadata={"help": "Keep at most this many prompt tokens (its last ones), before max_length applies. "
+                  "Default: no prompt limit, as TRL 1.16."},
+    )
+    truncation_mode: str = field(
+        default="keep_start",
+        metadata={"help": "Rows over max_length: keep_start (TRL 1.16's default) drops tokens from the end of the "
+                  "completions (then of the prompt, if it alone is too long); keep_end drops them from the start "
+                  "of the prompt. Either way chosen and rejected keep the same prompt tokens (see the README)."},
+    )
     precompute_ref_log_probs: bool = field(default=False)
     reference_free: bool = field(default=False)
     ref_model_name_or_path: str | None = field(default=None, metadata={"help": "Default: the policy's own path."})
@@ -37,7 +54,7 @@ class DPOConfig(FusedAlignConfig):
         metadata={"help": "With the fused head, form the head's gradient in its forward from the DPO loss (the "
                   "reference runs first): three logits GEMMs instead of four, at the cost of one pair's logits "
                   "(a block of whole pairs) held during the head's forward. Every loss type but aot, aot_pair "
-                  "and bco_pair. Same result; false runs the per-token op."},
+                  "(and bco_pair with bco_running_mean). Same result; false runs the per-token op."},
     )
 
     def __post_init__(self):
@@ -50,6 +67,7 @@ class DPOConfig(FusedAlignConfig):
         )
         check_choice("truncation_mode", self.truncation_mode, TRUNCATION_MODES)
 
-    def loss_options(self, bco_delta: float = 0.0) -> DPOOptions:
-        """The options the loss functions read (`bco_delta`: bco_pair's current reward shift)."""
-        return DPOOptions(self.beta, self.label_smoothing, bco_delta, self.discopop_tau)
+    def loss_options(self, bco_delta: float = 0.0, sft_tokens_per_pair: Any = None) -> DPOOptions:
+        """The options the loss functions read (`bco_delta`: bco_pair's current reward shift;
+        `sft_tokens_per_pair`: the step's chosen tokens per pair, the divisor of the sft term)."""
+        return DPOOptions(self.beta, self.label_smoothing, bco_delta, self.discopop_tau, sft_tokens_per_pair)

@@ -28,9 +28,16 @@ class KTOConfig(FusedAlignConfig):
     )
     undesirable_weight: float = field(default=1.0, metadata={"help": "Weight of the losses of undesirable examples (lambda_U)."})
     loss_type: str = field(default="kto", metadata={"help": "One of: " + ", ".join(KTO_LOSSES) + "."})
-    max_prompt_length: int | None = field(default=512)
+    max_prompt_length: int | None = field(
+        default=None,
+        metadata={"help": "Keep at most this many prompt tokens (its last ones). Default: no limit, as TRL 1.16."},
+    )
     max_completion_length: int | None = field(default=None)
-    truncation_mode: str = field(default="keep_end", metadata={"help": "keep_end or keep_start (for completions)."})
+    truncation_mode: str = field(
+        default="keep_start",
+        metadata={"help": "Rows over max_length: keep_start (TRL 1.16's behaviour) drops tokens from the end; "
+                  "keep_end from the start of the prompt. A row and its KL pair keep the same prompt tokens."},
+    )
     precompute_ref_log_probs: bool = field(
         default=False,
         metadata={"help": "Compute the reference log-probs of every row (its completion and its KL pair) in one "

@@ -3,7 +3,7 @@
 Per-pair losses come back unreduced ([B]); the trainer sums them and divides by the number
 of pairs in the GLOBAL batch, so a step's loss does not depend on its split across ranks and
 accumulation steps (except for the batch-dependent variants `aot`/`aot_pair`, and `bco_pair`
-through its running mean). Reference-free DPO is the same call with zeros as reference logps.
+with its optional running mean). Reference-free DPO is the same call with zeros as reference logps.
 """
 
 from __future__ import annotations
@@ -37,15 +37,16 @@ DPO_LOSSES: dict[str, DPOVariant] = {
 }
 
 
-# Variants whose loss for one pair depends on other pairs of the batch: aot sorts across it,
-# bco_pair shifts by a running mean that includes this batch's rewards.
-BATCH_COUPLED_LOSSES = frozenset({"aot", "aot_pair", "aot_unpaired", "bco_pair"})
+# Variants whose loss for one pair depends on other pairs of the batch: aot sorts across it.
+# bco_pair joins them when it shifts by a running mean that includes this batch's rewards.
+BATCH_COUPLED_LOSSES = frozenset({"aot", "aot_pair", "aot_unpaired"})
 
 
-def pairwise_dpo_losses(loss_type: str | Sequence[str]) -> bool:
+def pairwise_dpo_losses(loss_type: str | Sequence[str], bco_running_mean: bool = False) -> bool:
     """Whether each pair's loss is a function of that pair's log-probs alone (for every type)."""
     types = [loss_type] if isinstance(loss_type, str) else list(loss_type)
-    return not BATCH_COUPLED_LOSSES.intersection(types)
+    coupled = BATCH_COUPLED_LOSSES | ({"bco_pair"} if bco_running_mean else set())
+    return not coupled.intersection(types)
 
 
 class DPOLossOutput(NamedTuple):
@@ -109,6 +110,7 @@ def dpo_losses(
     rejected_lengths: Tensor | float | None = None,
     bco_delta: Tensor | float = 0.0,
     discopop_tau: float = 0.05,
+    sft_tokens_per_pair: Tensor | float | None = None,
 ) -> DPOLossOutput:
     """Per-pair DPO losses, summed over one or more loss types with weights.
 
@@ -125,6 +127,8 @@ def dpo_losses(
         rejected_lengths: [B] (or a scalar) completion tokens of the rejected; needed by ipo.
         bco_delta: Running reward mean for bco_pair (see `bco_reward_mean`).
         discopop_tau: DiscoPOP's gate temperature.
+        sft_tokens_per_pair: the `sft` term's divisor over a whole optimizer step (see
+            `DPOOptions`); None: the batch's mean chosen length (TRL's token mean over the batch).
 
     Returns:
         DPOLossOutput with losses [B] = sum_k weight_k * loss_k and detached rewards [B].
@@ -136,7 +140,7 @@ def dpo_losses(
         chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
         chosen_lengths, rejected_lengths,
     )
-    return pair_losses(pairs, plan, DPOOptions(beta, label_smoothing, bco_delta, discopop_tau))
+    return pair_losses(pairs, plan, DPOOptions(beta, label_smoothing, bco_delta, discopop_tau, sft_tokens_per_pair))
 
 
 def pair_losses(pairs: PairLogps, plan: Sequence[tuple[str, float]], opts: DPOOptions) -> DPOLossOutput:

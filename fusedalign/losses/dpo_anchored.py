@@ -79,15 +79,21 @@ def apo_down(p: PairLogps, o: DPOOptions) -> Tensor:
 
 
 def sft(p: PairLogps, o: DPOOptions) -> Tensor:
-    """Negative log-likelihood of the chosen completion, per token (MPO's generation term).
+    """Negative log-likelihood of the chosen completions, a token mean (MPO's generation term).
 
-    `chosen_lengths` [B] gives each sequence's token mean. To reproduce TRL's token mean over
-    the whole batch, pass one scalar instead: (global chosen tokens) / (global pairs); then
-    sum(losses) / (global pairs) = -sum(chosen logps) / (global chosen tokens).
+    TRL's definition: one mean over all chosen completion tokens, not a mean of per-sequence
+    means. Each pair's share is -log pi(y_w|x) / n, n the chosen tokens per pair (of the batch,
+    or of the optimizer step: `DPOOptions.sft_tokens_per_pair`), so that the mean over the pairs
+    is -sum log pi(y_w|x) / sum |y_w|.
 
     Paper: https://huggingface.co/papers/2411.10442 (MPO)
 
     Formula:
-        loss = -log pi(y_w | x) / |y_w|
+        loss_i = -log pi(y_w,i | x_i) / n,   n = sum_j |y_w,j| / B
     """
-    return -p.chosen / lengths_of(p.chosen_lengths, p.chosen, "chosen_lengths", "sft")
+    if o.sft_tokens_per_pair is not None:
+        per_pair = o.sft_tokens_per_pair
+    else:
+        lengths = lengths_of(p.chosen_lengths, p.chosen, "chosen_lengths", "sft")
+        per_pair = lengths.mean() if lengths.dim() else lengths
+    return -p.chosen / torch.as_tensor(per_pair, dtype=p.chosen.dtype, device=p.chosen.device).clamp(min=1.0)

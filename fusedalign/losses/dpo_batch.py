@@ -38,6 +38,8 @@ def dpo_batch_loss(
     opts: DPOOptions,
     *,
     logit_sums: Tensor | None = None,
+    entropy_sums: Tensor | None = None,
+    correct: Tensor | None = None,
 ) -> tuple[Tensor, DPOMetrics]:
     """The sum over valid pairs of the DPO losses, and the batch's metrics.
 
@@ -48,6 +50,9 @@ def dpo_batch_loss(
         plan: the validated (loss type, weight) list (`check_dpo_args`).
         opts: the loss options.
         logit_sums: [2B] per-row sums of each scored position's mean logit, for logits/*.
+        entropy_sums: [2B] per-row sums of the entropy over completion tokens, for `entropy`.
+        correct: [2B] per-row completion tokens whose argmax is the label (the chosen rows'
+            give `mean_token_accuracy`).
 
     Returns:
         The loss sum (pairs with nothing to score contribute zero but stay in the graph)
@@ -58,10 +63,10 @@ def dpo_batch_loss(
     loss_sum = (result.losses * valid.to(result.losses.dtype)).sum()
     half = policy.shape[0] // 2
     seq = policy.detach()
-    extra = {}
+    extra = dict(chosen_tokens=lengths[:half], rejected_tokens=lengths[half:], entropy_sums=entropy_sums,
+                 chosen_correct=None if correct is None else correct[:half])
     if logit_sums is not None:
-        extra = dict(chosen_logit_sums=logit_sums[:half], rejected_logit_sums=logit_sums[half:],
-                     chosen_tokens=lengths[:half], rejected_tokens=lengths[half:])
+        extra.update(chosen_logit_sums=logit_sums[:half], rejected_logit_sums=logit_sums[half:])
     metrics = dpo_metrics(result.chosen_rewards, result.rejected_rewards, seq[:half], seq[half:], valid, **extra)
     return loss_sum, metrics
 

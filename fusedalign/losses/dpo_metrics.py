@@ -27,6 +27,8 @@ class DPOMetrics(MetricSet):
     rejected_logps: Mean = logged_as("logps/rejected")
     chosen_logits: Mean | None = logged_as("logits/chosen")
     rejected_logits: Mean | None = logged_as("logits/rejected")
+    entropy: Mean | None = logged_as("entropy")  # over chosen and rejected completion tokens
+    accuracy: Mean | None = logged_as("mean_token_accuracy")  # argmax == label, chosen tokens
 
 
 def dpo_metrics(
@@ -40,6 +42,8 @@ def dpo_metrics(
     rejected_logit_sums: Tensor | None = None,
     chosen_tokens: Tensor | None = None,
     rejected_tokens: Tensor | None = None,
+    entropy_sums: Tensor | None = None,
+    chosen_correct: Tensor | None = None,
 ) -> DPOMetrics:
     """The metrics users know (rewards/*, logps/*, logits/*), per pair.
 
@@ -50,6 +54,10 @@ def dpo_metrics(
         chosen_logit_sums, rejected_logit_sums: [B] sums over completion tokens of each
             position's mean logit, with `chosen_tokens`/`rejected_tokens` [B] their token
             counts (logits/* are token means, as TRL's).
+        entropy_sums: [2B] per-row sums of the entropy over completion tokens (chosen rows,
+            then rejected): `entropy` is their token mean over both, as TRL's.
+        chosen_correct: [B] chosen completion tokens whose argmax is the label:
+            `mean_token_accuracy`, a token mean over the chosen tokens, as TRL's.
     """
     c, r = chosen_rewards.detach().double(), rejected_rewards.detach().double()
     v = torch.ones_like(c) if valid is None else valid.double()
@@ -61,10 +69,17 @@ def dpo_metrics(
     if chosen_logit_sums is not None:
         logits_c = Mean(chosen_logit_sums.detach().double(), chosen_tokens.double())
         logits_r = Mean(rejected_logit_sums.detach().double(), rejected_tokens.double())
+    entropy = accuracy = None
+    if entropy_sums is not None:
+        half = entropy_sums.shape[0] // 2
+        entropy = Mean(entropy_sums[:half].double() + entropy_sums[half:].double(),
+                       chosen_tokens.double() + rejected_tokens.double())
+    if chosen_correct is not None:
+        accuracy = Mean(chosen_correct.double(), chosen_tokens.double())
     return DPOMetrics(
         chosen_rewards=mean(c), rejected_rewards=mean(r), accuracies=mean((c > r).double()), margins=mean(c - r),
         chosen_logps=mean(chosen_logps), rejected_logps=mean(rejected_logps),
-        chosen_logits=logits_c, rejected_logits=logits_r,
+        chosen_logits=logits_c, rejected_logits=logits_r, entropy=entropy, accuracy=accuracy,
     )
 
 

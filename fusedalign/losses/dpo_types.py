@@ -52,14 +52,21 @@ class DPOOptions:
     Attributes:
         beta: Inverse temperature of the implicit reward, > 0.
         label_smoothing: Assumed probability that a pair's label is flipped, in [0, 0.5].
-        bco_delta: Running mean of the rewards, the reward shift of `bco_pair` (detached).
+        bco_delta: Running mean of the rewards, the reward shift of `bco_pair` (detached);
+            0 is TRL 1.16's `bco_pair`.
         discopop_tau: Temperature of DiscoPOP's mixing gate.
+        sft_tokens_per_pair: The `sft` term's token-mean divisor: chosen completion tokens per
+            pair over the whole optimizer step (all micro-batches and ranks), so that
+            sum(sft losses) / pairs = -sum(chosen log-probs) / chosen tokens of the step. None:
+            the mean of `chosen_lengths` over the batch, which is TRL's token mean over the
+            batch's chosen tokens.
     """
 
     beta: float = 0.1
     label_smoothing: float = 0.0
     bco_delta: Tensor | float = 0.0
     discopop_tau: float = 0.05
+    sft_tokens_per_pair: Tensor | float | None = None
 
 
 def lengths_of(lengths: Tensor | float | None, like: Tensor, name: str, loss_type: str) -> Tensor:

@@ -135,7 +135,7 @@ def example_losses(policy_logps: Tensor, ref_logps: Tensor, kl: Tensor | float, 
 
 
 def kto_batch_loss(policy_logps: Tensor, ref_logps: Tensor, kl: Tensor, desirable: Tensor, valid: Tensor,
-                   opts: KTOOptions) -> tuple[Tensor, "KTOMetrics"]:
+                   opts: KTOOptions, **stats: Tensor) -> tuple[Tensor, "KTOMetrics"]:
     """One KTO micro-batch: the sum of its valid examples' losses and its metrics.
 
     Args:
@@ -145,10 +145,12 @@ def kto_batch_loss(policy_logps: Tensor, ref_logps: Tensor, kl: Tensor, desirabl
         desirable: [B] bool labels.
         valid: [B] bool, examples with a completion token (the others contribute zero but
             stay in the graph).
+        **stats: `logit_sums`, `entropy_sums`, `tokens` [B] for the metrics (`kto_metrics`).
     """
     from .kto_stats import kto_metrics
 
     result = example_losses(policy_logps, ref_logps.to(policy_logps), kl, desirable.bool(), opts)
     loss_sum = (result.losses * valid.to(result.losses.dtype)).sum()
     uses_kl = opts.loss_type == "kto"
-    return loss_sum, kto_metrics(result.rewards, policy_logps, result.desirable, valid, kl if uses_kl else None)
+    return loss_sum, kto_metrics(result.rewards, policy_logps, result.desirable, valid, kl if uses_kl else None,
+                                 **stats)

@@ -60,12 +60,16 @@ class KTOMetrics(MetricSet):
     kl: Mean | None = logged_as("kl")
     num_desirable: Total = logged_as("count/desirable")
     num_undesirable: Total = logged_as("count/undesirable")
+    chosen_logits: Mean | None = logged_as("logits/chosen")  # token means over each class's completions
+    rejected_logits: Mean | None = logged_as("logits/rejected")
+    entropy: Mean | None = logged_as("entropy")  # token mean over every completion token
 
     derived = {"rewards/margins": lambda logged: logged["rewards/chosen"] - logged["rewards/rejected"]}
 
 
 def kto_metrics(rewards: Tensor, policy_logps: Tensor, desirable: Tensor, valid: Tensor | None = None,
-                kl: Tensor | None = None) -> KTOMetrics:
+                kl: Tensor | None = None, *, logit_sums: Tensor | None = None, entropy_sums: Tensor | None = None,
+                tokens: Tensor | None = None) -> KTOMetrics:
     """The metrics users know (rewards/*, logps/*, kl, count/*), per example.
 
     Args:
@@ -74,14 +78,24 @@ def kto_metrics(rewards: Tensor, policy_logps: Tensor, desirable: Tensor, valid:
         desirable: [B] bool labels.
         valid: [B] bool, examples with a completion token (default: all).
         kl: scalar z0 of the step, reported once per valid example; None leaves `kl` out.
+        logit_sums, entropy_sums: [B] per-example sums over completion tokens of each
+            position's mean logit and entropy, with `tokens` [B] their token counts
+            (logits/* and entropy are token means, as TRL's).
     """
     keep = torch.ones_like(desirable, dtype=torch.bool) if valid is None else valid.bool()
     d = (desirable.bool() & keep).double()
     u = (~desirable.bool() & keep).double()
     r, lp = rewards.detach().double(), policy_logps.detach().double()
     z0 = None if kl is None else Mean(kl.detach().double() * (d + u), d + u)
+    logits_d = logits_u = entropy = None
+    if logit_sums is not None:
+        n, sums, is_d = tokens.double(), logit_sums.detach().double(), desirable.bool().double()
+        logits_d, logits_u = Mean(sums * is_d, n * is_d), Mean(sums * (1 - is_d), n * (1 - is_d))
+    if entropy_sums is not None:
+        entropy = Mean(entropy_sums.detach().double(), tokens.double())
     return KTOMetrics(
         chosen_rewards=Mean(r * d, d), rejected_rewards=Mean(r * u, u),
         chosen_logps=Mean(lp * d, d), rejected_logps=Mean(lp * u, u),
         kl=z0, num_desirable=Total(d), num_undesirable=Total(u),
+        chosen_logits=logits_d, rejected_logits=logits_u, entropy=entropy,
     )

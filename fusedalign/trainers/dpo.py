@@ -18,7 +18,9 @@ from fusedalign.configs import DPOConfig
 from fusedalign.data import DPOCollator, position_labels
 from fusedalign.data.splits import prepare_split
 from fusedalign.head import IGNORE_INDEX, RowLoss
-from fusedalign.losses import RunningRewardMean, bco_reward_mean, dpo_batch_loss, pair_loss_gradient, pairwise_dpo_losses
+from fusedalign.losses import (
+    RunningRewardMean, bco_reward_mean, dpo_batch_loss, pair_loss_gradient, pairwise_dpo_losses, valid_pairs,
+)
 from fusedalign.losses.dpo_metrics import DPOMetrics
 from fusedalign.trainers.base import FusedAlignTrainer
 from fusedalign.trainers.policy import load_policy
@@ -87,14 +89,22 @@ class DPOTrainer(FusedAlignTrainer):
 
     def count_items(self, inputs: dict[str, Any]) -> torch.Tensor:
         """Pairs whose chosen and rejected both keep at least one completion token."""
-        lengths = self._lengths(self._labels(inputs))
-        half = lengths.shape[0] // 2
-        return ((lengths[:half] > 0) & (lengths[half:] > 0)).sum()
+        return valid_pairs(self._lengths(self._labels(inputs))).sum()
 
     def prepare_step(self, model: nn.Module, batches: list[dict[str, Any]], mode: str) -> list[dict[str, Any]]:
-        """Adds `ref_logps` [2B], the reference's sequence log-probs, to every micro-batch."""
+        """Adds `ref_logps` [2B], the reference's sequence log-probs, to every micro-batch, and
+        for the sft term the step's chosen tokens per pair (all micro-batches and ranks)."""
         for batch in batches:
             batch["ref_logps"] = self._reference_logps(model, batch).detach()
+        if "sft" in self.args.loss_type:
+            totals = torch.zeros(2, dtype=torch.float64, device=self.accelerator.device)
+            for batch in batches:
+                lengths = self._lengths(self._labels(batch))
+                half, valid = lengths.shape[0] // 2, valid_pairs(lengths)
+                totals += torch.stack([(lengths[:half] * valid).sum(), valid.sum()]).to(totals)
+            totals = self.accelerator.reduce(totals, reduction="sum")
+            for batch in batches:
+                batch["sft_tokens_per_pair"] = totals[0] / totals[1].clamp(min=1)
         return batches
 
     def _sequence_logps(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -124,7 +134,8 @@ class DPOTrainer(FusedAlignTrainer):
         labels = self._labels(inputs)
         lengths = self._lengths(labels)
         ref = inputs["ref_logps"]
-        opts = args.loss_options(self.bco_shift.delta if self.bco_shift is not None else 0.0)
+        sft_divisor = inputs.get("sft_tokens_per_pair")
+        opts = args.loss_options(self.bco_shift.delta if self.bco_shift is not None else 0.0, sft_divisor)
         row_loss = None
         if self._loss_aware(mode):
             half = lengths.shape[0] // 2
@@ -132,24 +143,26 @@ class DPOTrainer(FusedAlignTrainer):
             row_loss = RowLoss(groups=torch.cat([pair, pair]),
                                grad=pair_loss_gradient(ref, lengths, args.loss_plan, opts))
         model_inputs = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]}
-        out = self.token_logprobs(model, model_inputs, labels, logit_mean=True, row_loss=row_loss)
+        out = self.token_logprobs(model, model_inputs, labels, logit_mean=True, entropy=True, argmax=True,
+                                  row_loss=row_loss)
         # Summed in fp64 (then rounded once): the loss-aware head sums the same log-probs the
         # same way, so the loss it predicts is the loss computed here.
         seq = out.logps.double().sum(-1).to(out.logps.dtype)  # [2B]
         if self.bco_shift is not None and mode == "train":
             # BCO's reward shift: a running mean over every reward seen, this batch included.
             self._update_bco_shift(args.beta * (seq.detach() - ref.to(seq.dtype)))
-            opts = args.loss_options(self.bco_shift.delta)
-        logit_sums = (out.logit_mean * (labels != IGNORE_INDEX)).sum(-1)
-        return dpo_batch_loss(seq, ref, lengths, args.loss_plan, opts, logit_sums=logit_sums)
+            opts = args.loss_options(self.bco_shift.delta, sft_divisor)
+        # The metrics TRL logs, from the head's own pass (0 on positions without a label).
+        return dpo_batch_loss(seq, ref, lengths, args.loss_plan, opts, logit_sums=out.logit_mean.sum(-1),
+                              entropy_sums=out.entropy.sum(-1), correct=out.argmax_match.sum(-1))
 
     def _loss_aware(self, mode: str) -> bool:
         """Whether the policy's head may form its gradient in the forward: fused, training,
         and every loss type a function of its own pair alone (not aot's batch sort, not
-        bco_pair's running mean, which is updated from this very batch)."""
+        bco_pair's optional running mean, which is updated from this very batch)."""
         args = self.args
         return (args.fused_head and args.loss_aware_head and mode == "train" and torch.is_grad_enabled()
-                and pairwise_dpo_losses(args.loss_type))
+                and pairwise_dpo_losses(args.loss_type, args.bco_running_mean))
 
     def _update_bco_shift(self, rewards: torch.Tensor) -> None:
         half = rewards.shape[0] // 2

@@ -154,6 +154,11 @@ class KTOTrainer(FusedAlignTrainer):
     # ------------------------------------------------------------------ loss
 
     def loss_and_metrics(self, model: nn.Module, inputs: dict[str, Any], mode: str) -> tuple[torch.Tensor, KTOMetrics]:
-        seq, labels = self._sequence_logps(model, inputs)  # [B], with gradient
-        valid = (labels != IGNORE_INDEX).any(-1)  # [B]
-        return kto_batch_loss(seq, inputs["ref_logps"], inputs["kl"], inputs["label"], valid, self.args.loss_options())
+        labels = self._labels(inputs)
+        model_inputs = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]}
+        # The metrics TRL logs (logits/*, entropy) come from the head's own pass.
+        out = self.token_logprobs(model, model_inputs, labels, logit_mean=True, entropy=True)
+        tokens = (labels != IGNORE_INDEX).sum(-1)  # [B]
+        return kto_batch_loss(out.logps.sum(-1), inputs["ref_logps"], inputs["kl"], inputs["label"], tokens > 0,
+                              self.args.loss_options(), logit_sums=out.logit_mean.sum(-1),
+                              entropy_sums=out.entropy.sum(-1), tokens=tokens)

@@ -69,8 +69,8 @@ def expected(loss_type, b=BETA, eps=EPS, delta=DELTA, tau=TAU):
             z = b * h
             g = sig(z / tau)
             v = (1 - g) * -logsig(z) + g * math.exp(-z)
-        elif loss_type == "sft":
-            v = -C[i] / LC[i]
+        elif loss_type == "sft":  # TRL: one token mean over all chosen tokens, -sum(C) / sum(LC) over the batch
+            v = -C[i] / (sum(LC) / 3)
         elif loss_type == "aot":
             pol = sorted(c - r for c, r in zip(C, R))
             ref = sorted(c - r for c, r in zip(RC, RR))
@@ -202,10 +202,12 @@ BATCH_DEPENDENT = {"aot", "aot_pair", "aot_unpaired"}
 
 @pytest.mark.parametrize("loss_type", sorted(set(DPO_LOSSES) - BATCH_DEPENDENT))
 def test_global_normalisation_does_not_depend_on_the_split(loss_type):
-    whole = dpo_losses(*inputs(), loss_type=loss_type, **KW).losses.sum() / 3
+    # sft's token mean is over the whole step: the trainer passes the step's tokens per pair.
+    step = {"sft_tokens_per_pair": sum(LC) / 3}
+    whole = dpo_losses(*inputs(), loss_type=loss_type, **KW, **step).losses.sum() / 3
     parts = []
     for idx in ([0], [1, 2]):
-        kw = {**KW, "chosen_lengths": torch.tensor(LC)[idx],
+        kw = {**KW, **step, "chosen_lengths": torch.tensor(LC)[idx],
               "rejected_lengths": torch.tensor(LR)[idx]}
         part = dpo_losses(*(t[idx] for t in inputs()), loss_type=loss_type, **kw).losses
         parts.append(part.sum() / 3)
@@ -219,11 +221,17 @@ def test_aot_is_batch_dependent_as_documented():
     assert not torch.allclose(whole, parts)
 
 
-def test_sft_with_one_global_average_length_is_the_batch_token_mean():
-    avg = torch.tensor(sum(LC) / 3, dtype=torch.float64)
-    out = dpo_losses(*inputs(), loss_type="sft", chosen_lengths=avg)
+def test_sft_is_the_token_mean_over_chosen_tokens_as_trl():
     want = torch.tensor(-sum(C) / sum(LC), dtype=torch.float64)
-    torch.testing.assert_close(out.losses.sum() / 3, want)
+    for lengths in (torch.tensor(LC), torch.tensor(sum(LC) / 3, dtype=torch.float64)):  # per pair, or one average
+        out = dpo_losses(*inputs(), loss_type="sft", chosen_lengths=lengths)
+        torch.testing.assert_close(out.losses.sum() / 3, want)
+    # Over an optimizer step: the step's tokens per pair, whatever the micro-batch holds.
+    from fusedalign.losses import DPOOptions, PairLogps, pair_losses
+
+    step = DPOOptions(sft_tokens_per_pair=torch.tensor(4.0, dtype=torch.float64))
+    part = pair_losses(PairLogps(*inputs(), torch.tensor(LC), torch.tensor(LR)), [("sft", 1.0)], step).losses
+    torch.testing.assert_close(part, -torch.tensor(C, dtype=torch.float64) / 4)
 
 
 def test_float32_inputs_give_float32_losses():
