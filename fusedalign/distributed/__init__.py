@@ -20,10 +20,12 @@ from fusedalign.distributed.backend import (
     world_size_from_env,
     zero3_enabled,
 )
+from fusedalign.distributed.generation import generation_weights
 from fusedalign.distributed.models import prepare_final_save, prepare_reference_model
 
 __all__ = [
     "DistributedBackend", "backend_from_env", "configure_cpu_arguments", "is_fsdp2", "is_zero3",
     "prepare_final_save", "prepare_trainer_process", "prepare_reference_model", "setup_distributed", "teardown_distributed", "use_cpu",
     "world_size_from_env", "zero3_enabled",
+    "generation_weights",
 ]
