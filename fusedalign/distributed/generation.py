@@ -117,7 +117,8 @@ def _zero3_gathered(engine: nn.Module) -> Iterator[None]:
                 coordinator = offload.get_param_coordinator()
                 if not coordinator.is_invalid_trace():
                     coordinator._invalidate_trace()
-                offload._register_deepspeed_module(offload.module)
+                # count=[0]: the same module ids as when DeepSpeed registered them first.
+                offload._register_deepspeed_module(offload.module, count=[0])
 
 
 def _fsdp_states(model: nn.Module) -> list[Any]:

@@ -186,3 +186,30 @@ def test_replay_round_trip(tiny, tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"row": 1}\n')
     with pytest.raises(GenerationError, match=r"bad.jsonl, line 1: expected a JSON object with row"):
         Replay.load(tmp_path / "bad.jsonl")
+
+
+# ------------------------------------------------------------------ generation_weights, one process
+
+
+def test_generation_weights_sets_and_restores_inference_flags_also_on_error():
+    from types import SimpleNamespace
+
+    from fusedalign.distributed import generation_weights
+
+    model = load_model("builtin:tiny-qwen2")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    model.model.layers[1].eval()  # a module in its own mode must get it back
+    model.config.use_cache = False
+    acc = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=None, fsdp_plugin=None), unwrap_model=lambda m: m)
+    layers = [m for m in model.modules() if isinstance(getattr(m, "gradient_checkpointing", None), bool)]
+    assert layers and all(m.gradient_checkpointing for m in layers)
+    with pytest.raises(RuntimeError, match="boom"):
+        with generation_weights(model, acc) as whole:
+            assert whole is model and not torch.is_grad_enabled()
+            assert not any(m.training for m in model.modules())
+            assert not any(m.gradient_checkpointing for m in layers) and model.config.use_cache is True
+            raise RuntimeError("boom")
+    assert torch.is_grad_enabled() and model.training and not model.model.layers[1].training
+    assert model.model.layers[0].training
+    assert all(m.gradient_checkpointing for m in layers) and model.config.use_cache is False
