@@ -25,7 +25,8 @@ from torch import Tensor
 
 # Keywords of the call; a dataset column with one of these names cannot be passed.
 RESERVED = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
-SKIPPED_COLUMNS = ("prompt", "completion", "completion_ids", "prompt_ids")  # as TRL: not passed as columns
+# Not passed as columns: TRL skips prompt, completion and completion_ids; the others are ours.
+SKIPPED_COLUMNS = ("prompt", "completion", "completion_ids", "prompt_ids", "row_index")
 
 
 class RewardError(ValueError):
