@@ -2,7 +2,8 @@
 
 from fusedalign.configs.common import FusedAlignConfig, ModelArguments, ScriptArguments
 from fusedalign.configs.dpo import DPOConfig
+from fusedalign.configs.grpo import GRPOConfig
 from fusedalign.configs.kto import KTOConfig
 from fusedalign.configs.sft import SFTConfig
 
-__all__ = ["DPOConfig", "FusedAlignConfig", "KTOConfig", "ModelArguments", "SFTConfig", "ScriptArguments"]
+__all__ = ["DPOConfig", "FusedAlignConfig", "GRPOConfig", "KTOConfig", "ModelArguments", "SFTConfig", "ScriptArguments"]
