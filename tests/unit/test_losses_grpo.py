@@ -423,3 +423,31 @@ def test_advantage_checks():
         GRPOOptions(loss_type="dr_grpo")
     with pytest.raises(ValueError, match="loss_type"):
         GRPOOptions(loss_type="ppo")
+
+
+def test_generator_importance_weight_multiplies_the_policy_term_not_the_kl():
+    lp, old, ref, adv, mask = batch(seed=9, spread=1.0)
+    w = torch.rand_like(lp) + 0.5
+    o = options("dapo", "token", 0.28, None, 0.0, True)
+    x = lp.clone().requires_grad_()
+    rows = trl_per_token_loss(x, old, ref, adv, mask, o)
+    d = ref - x
+    kl = (torch.exp(d) - d - 1) * torch.exp(x - old)
+    want = sum(rows[i][t] * w[i, t] * mask[i, t] + 0.04 * kl[i, t] * mask[i, t]
+               for i in range(lp.shape[0]) for t in range(lp.shape[1])) / mask.sum()
+    y = lp.clone().requires_grad_()
+    out = grpo_loss(y, mask, adv, ours({**o, "beta": 0.04}), old_logps=old, ref_logps=ref, is_ratio=w)
+    got = out.loss_sum / out.items
+    torch.testing.assert_close(got, want.detach(), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(torch.autograd.grad(got, y)[0], torch.autograd.grad(want, x)[0], rtol=1e-10, atol=1e-12)
+    # vespo folds the generator's weight into the sequence ratio of its gamma weight instead.
+    o = options("vespo", "token", None, None, 0.0, True)
+    ws = torch.full((lp.shape[0], 1), 1.3, dtype=torch.float64)
+    out = grpo_loss(lp, mask, adv, ours(o), old_logps=old, is_ratio=ws)
+    phis = []
+    for i in range(lp.shape[0]):
+        log_w = min(max(float(((lp - old)[i] * mask[i]).sum()) + math.log(1.3), math.log(1e-8)), 20.0)
+        k, lam = (2.0, 3.0) if adv[i] >= 0 else (3.0, 2.0)
+        phis.append(math.exp(lam + k * log_w - lam * math.exp(log_w)))
+    want = sum(-phis[i] * float(adv[i]) * float((lp[i] * mask[i]).sum()) for i in range(lp.shape[0])) / float(mask.sum())
+    assert float(out.loss_sum / out.items) == pytest.approx(want, rel=1e-10)
