@@ -213,3 +213,19 @@ def test_generation_weights_sets_and_restores_inference_flags_also_on_error():
     assert torch.is_grad_enabled() and model.training and not model.model.layers[1].training
     assert model.model.layers[0].training
     assert all(m.gradient_checkpointing for m in layers) and model.config.use_cache is False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_compiled_static_decoding_equals_dynamic_on_gpu(tiny):
+    _, tok = tiny
+    model = load_model("builtin:tiny-qwen2").cuda().eval()
+    prompts = _prompts(tok, ["Beautiful is", "Errors should never", "Now"])
+    keys = [(0, 0), (1, 0), (2, 0)]
+    kw = dict(max_new_tokens=16, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    for sampler in (None, 7):
+        make = lambda **extra: HFGenerate(**kw, do_sample=False,  # noqa: E731
+                                          sampler=None if sampler is None else KeyedSampler(sampler), **extra)
+        dynamic = make().generate(model, prompts, keys)
+        compiled = make(compile_decoding=True).generate(model, prompts, keys)
+        assert compiled.completion_ids == dynamic.completion_ids
