@@ -95,12 +95,17 @@ class RowLoss(NamedTuple):
     backward. Only for losses whose gradient for a row depends on the sums of its group.
 
     Attributes:
-        groups: [B] long, the group of each batch row (a DPO pair: its chosen and rejected rows).
-        grad: row sums [B] -> dL/d(row sums) [B]; see `ops.SequenceLoss.grad`.
+        groups: [B] long, the group of each batch row (a DPO pair: its chosen and rejected rows);
+            with `segments`, [S]: the group of each sequence.
+        grad: row sums [B] (or sequence sums [S]) -> their gradient; see `ops.SequenceLoss.grad`.
+        segments: [B, T] long, the sequence each position's log-prob is summed into (any value
+            where the label is ignored), for rows that hold several sequences (padding-free and
+            shared-prompt preference rows); None: each row is one sequence.
     """
 
     groups: torch.Tensor
     grad: Callable[[torch.Tensor], torch.Tensor]
+    segments: torch.Tensor | None = None
 
 
 class FusedHead:
@@ -132,7 +137,10 @@ class FusedHead:
         labels = labels[:, labels.shape[1] - kept :].to(hidden.device)
         sequence_loss = None
         if self.row_loss is not None:
-            rows = torch.arange(batch, device=hidden.device).repeat_interleave(kept)  # [B*T']: row of each position
+            if self.row_loss.segments is None:
+                rows = torch.arange(batch, device=hidden.device).repeat_interleave(kept)  # [B*T']: row of each position
+            else:  # [B*T']: sequence of each position
+                rows = self.row_loss.segments[:, -kept:].reshape(-1).to(hidden.device)
             sequence_loss = SequenceLoss(rows, self.row_loss.groups.to(hidden.device), self.row_loss.grad)
         out = head_logprobs(
             hidden.reshape(-1, width),  # [B*T', H]
