@@ -45,7 +45,8 @@ def resolve_model_path(name_or_path: str | os.PathLike) -> str:
 
     Raises:
         ModelNotFoundError: an unknown builtin name (the message lists the known ones), or a
-            path that does not exist and cannot be a hub id.
+            path that does not exist and cannot be a hub id. (A hub id is checked against the
+            hub when it is loaded: `fusedalign.hub.require_hub`.)
     """
     name = os.fspath(name_or_path)
     if name.startswith(BUILTIN_PREFIX):
@@ -84,7 +85,8 @@ def load_tokenizer(name_or_path: str | os.PathLike, **kwargs: Any):
     """
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(name_or_path), **kwargs)
+    path = resolve_model_path(name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(path, **_hub_kwargs(path, kwargs))
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -110,4 +112,16 @@ def load_model(name_or_path: str | os.PathLike, *, dtype: Any = None, **kwargs: 
         dtype = getattr(torch, dtype)
     if dtype is not None:
         kwargs["dtype"] = dtype
-    return AutoModelForCausalLM.from_pretrained(resolve_model_path(name_or_path), **kwargs)
+    path = resolve_model_path(name_or_path)
+    return AutoModelForCausalLM.from_pretrained(path, **_hub_kwargs(path, kwargs))
+
+
+def _hub_kwargs(path: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`from_pretrained` arguments for `path`: a hub id is checked first (fails in seconds when offline)."""
+    if os.path.exists(path) or kwargs.get("local_files_only"):
+        return kwargs
+    from fusedalign.hub import require_hub
+
+    if require_hub(path, "model"):  # unreachable hub, cached copy: no network retries
+        return {**kwargs, "local_files_only": True}
+    return kwargs

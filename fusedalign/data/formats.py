@@ -46,7 +46,27 @@ _GENERATION_MARKER = re.compile(r"{%-?\s*generation\s*-?%}")
 
 
 class DataError(ValueError):
-    """Bad training data: the message names the row, the column and what was expected."""
+    """Bad training data: the message names the row (counted from 0), the column and what was expected.
+
+    Attributes:
+        row: the dataset index of the bad row, when one row is to blame (the CLI turns it
+            into a file line for local JSON Lines files).
+    """
+
+    def __init__(self, message: str, *, row: int | None = None):
+        super().__init__(message)
+        self.row = row
+
+
+def row_name(index: int | None) -> str:
+    """How messages name a row: its dataset index, saying the base."""
+    return "a row" if index is None else f"row {index} (from 0)"
+
+
+# Roles a chat template is expected to know; a completion is the assistant's (tool turns
+# may follow it). Anything else is most likely a typo, which templates render silently.
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function", "ipython"})
+COMPLETION_ROLES = frozenset({"assistant", "tool"})
 
 
 class DataFormat(NamedTuple):
@@ -176,27 +196,41 @@ def _short(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def check_messages(value: Any, index: int | None, column: str) -> None:
+def check_messages(value: Any, index: int | None, column: str, *, completion: bool = False) -> None:
     """Checks one cell of a conversational column.
+
+    Args:
+        value: the cell.
+        index: the row's index (for the message).
+        column: the column's name.
+        completion: the cell is a completion (chosen, rejected, completion after a
+            prompt column): it must start with an assistant message.
 
     Raises:
         DataError: the cell is not a non-empty list of ``{"role": str, "content": str}``
-            messages, or all its contents are empty.
+            messages, a role is not one of ``CHAT_ROLES`` (or, in a completion, not the
+            assistant's), or all its contents are empty.
     """
-    where = f"row {index}, column {column!r}"
+    where = f"{row_name(index)}, column {column!r}"
     if not isinstance(value, list) or not value:
         raise DataError(
-            f"{where}: expected a non-empty list of {{'role', 'content'}} messages, got {_short(value)}"
+            f"{where}: expected a non-empty list of {{'role', 'content'}} messages, got {_short(value)}", row=index
         )
     for j, message in enumerate(value):
         if not isinstance(message, Mapping) or not isinstance(message.get("role"), str) \
                 or not isinstance(message.get("content"), str):
             raise DataError(
-                f"{where}, message {j}: expected a mapping with string 'role' and 'content', "
-                f"got {_short(message)}"
+                f"{where}, message {j} (from 0): expected a mapping with string 'role' and 'content', "
+                f"got {_short(message)}", row=index,
             )
+        role = message["role"]
+        allowed = COMPLETION_ROLES if completion else CHAT_ROLES
+        if role not in allowed or (completion and j == 0 and role != "assistant"):
+            expected = ("'assistant' (a completion is the assistant's answer; tool turns may follow)" if completion
+                        else f"one of {sorted(CHAT_ROLES)}")
+            raise DataError(f"{where}, message {j} (from 0): role {role!r}; expected {expected}", row=index)
     if not any(m["content"].strip() for m in value):
-        raise DataError(f"{where}: empty {column}; expected at least one message with non-empty content")
+        raise DataError(f"{where}: empty {column}; expected at least one message with non-empty content", row=index)
 
 
 def check_row(row: Mapping, index: int | None, fmt: DataFormat) -> None:
@@ -204,7 +238,7 @@ def check_row(row: Mapping, index: int | None, fmt: DataFormat) -> None:
 
     Args:
         row: the row.
-        index: its index in the dataset (for the error message).
+        index: its index in the dataset, from 0 (for the error message).
         fmt: the dataset's format, from :func:`detect_format`.
 
     Raises:
@@ -214,23 +248,25 @@ def check_row(row: Mapping, index: int | None, fmt: DataFormat) -> None:
     """
     for column in fmt.text_columns:
         if column not in row:
-            raise DataError(f"row {index}: missing column {column!r} for format {fmt.name}")
+            raise DataError(f"{row_name(index)}: missing column {column!r} for format {fmt.name}", row=index)
         value = row[column]
         if fmt.conversational:
-            check_messages(value, index, column)
+            completion = column in ("chosen", "rejected", "completion") and "prompt" in fmt.columns
+            check_messages(value, index, column, completion=completion)
         elif not isinstance(value, str):
             raise DataError(
-                f"row {index}, column {column!r}: expected a string (the dataset is {fmt.name}), "
-                f"got {_short(value)}"
+                f"{row_name(index)}, column {column!r}: expected a string (the dataset is {fmt.name}), "
+                f"got {_short(value)}", row=index,
             )
         elif not value.strip():
-            raise DataError(f"row {index}, column {column!r}: empty {column}; expected a non-empty string")
+            raise DataError(f"{row_name(index)}, column {column!r}: empty {column}; expected a non-empty string",
+                            row=index)
     if fmt.kind == "unpaired_preference":
         label = row.get("label")
         if not isinstance(label, bool):
             raise DataError(
-                f"row {index}, column 'label': expected a boolean (true = desirable, false = "
-                f"undesirable), got {_short(label)} ({type(label).__name__})"
+                f"{row_name(index)}, column 'label': expected a boolean (true = desirable, false = "
+                f"undesirable), got {_short(label)} ({type(label).__name__})", row=index,
             )
 
 

@@ -15,12 +15,14 @@ be a token-level prefix (checked; an error otherwise).
 
 from __future__ import annotations
 
+import logging
 from functools import partial
 from typing import Any, Callable, Mapping, NamedTuple
 
-from .formats import DataError, DataFormat, check_row, detect_format, validate_dataset
+from .formats import DataError, DataFormat, check_row, detect_format, row_name, validate_dataset
 
 TRUNCATION_MODES = ("keep_end", "keep_start")
+logger = logging.getLogger(__name__)
 
 
 class TokenizeStats(NamedTuple):
@@ -41,7 +43,9 @@ class TokenizeStats(NamedTuple):
 
 
 def _ids(tokenizer: Any, text: str, special: bool) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=special)["input_ids"])
+    # verbose=False: the tokenizer would warn about rows longer than the model's limit, rows that
+    # the truncation below then cuts; `_prepare` warns itself about the rows it does not cut.
+    return list(tokenizer(text, add_special_tokens=special, verbose=False)["input_ids"])
 
 
 def _with_eos(tokenizer: Any, ids: list[int]) -> list[int]:
@@ -59,6 +63,7 @@ def _chat(tokenizer: Any, messages: list, *, add_generation_prompt: bool = False
         return_dict=True,
         add_generation_prompt=add_generation_prompt,
         return_assistant_tokens_mask=assistant_mask,
+        tokenizer_kwargs={"verbose": False},  # as in _ids
     )
     ids = list(out["input_ids"])
     return ids, (list(out["assistant_masks"]) if assistant_mask else None)
@@ -74,13 +79,13 @@ def _split_chat(tokenizer: Any, prompt: list, completion: list, index: int | Non
     n = len(prompt_ids)
     if full_ids[:n] != prompt_ids:
         raise DataError(
-            f"row {index}, column {column!r}: the chat template renders the prompt (with "
+            f"{row_name(index)}, column {column!r}: the chat template renders the prompt (with "
             "add_generation_prompt=True) differently from the start of prompt + completion, so "
             "the completion tokens cannot be told apart; use a chat template whose generation "
-            "prompt is a prefix of the rendered conversation"
+            "prompt is a prefix of the rendered conversation", row=index,
         )
     if len(full_ids) == n:
-        raise DataError(f"row {index}, column {column!r}: the completion renders to no tokens")
+        raise DataError(f"{row_name(index)}, column {column!r}: the completion renders to no tokens", row=index)
     return prompt_ids, full_ids[n:], mask
 
 
@@ -143,7 +148,8 @@ def extract_prompt(row: Mapping, index: int | None = None) -> dict:
     """
     chosen, rejected = row["chosen"], row["rejected"]
     if chosen == rejected:
-        raise DataError(f"row {index}, columns 'chosen'/'rejected': identical; expected them to differ")
+        raise DataError(f"{row_name(index)}, columns 'chosen'/'rejected': identical; expected them to differ",
+                        row=index)
     if isinstance(chosen, list):
         n = 0
         while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
@@ -157,15 +163,15 @@ def extract_prompt(row: Mapping, index: int | None = None) -> dict:
                     if chosen[i:i + 1].isspace() and rejected[i:i + 1].isspace()), n)
     if cut == 0:
         raise DataError(
-            f"row {index}, columns 'chosen'/'rejected': no common prefix to use as the prompt; "
-            "expected both to start with the same prompt (or add a 'prompt' column)"
+            f"{row_name(index)}, columns 'chosen'/'rejected': no common prefix to use as the prompt; "
+            "expected both to start with the same prompt (or add a 'prompt' column)", row=index,
         )
     out = {"prompt": chosen[:cut], "chosen": chosen[cut:], "rejected": rejected[cut:]}
     for column in ("chosen", "rejected"):
         if not out[column] or (isinstance(out[column], str) and not out[column].strip()):
             raise DataError(
-                f"row {index}, column {column!r}: empty after removing the common prompt; "
-                "expected chosen and rejected to differ after the prompt"
+                f"{row_name(index)}, column {column!r}: empty after removing the common prompt; "
+                "expected chosen and rejected to differ after the prompt", row=index,
             )
     return out
 
@@ -186,7 +192,7 @@ def _prompt_and_completions(row: Mapping, tokenizer: Any, fmt: DataFormat, colum
         return prompt_ids, [s[1] for s in splits]
     prompt_ids = _ids(tokenizer, row["prompt"], special=True)
     if not prompt_ids:
-        raise DataError(f"row {index}, column 'prompt': the prompt tokenises to nothing")
+        raise DataError(f"{row_name(index)}, column 'prompt': the prompt tokenises to nothing", row=index)
     return prompt_ids, [_with_eos(tokenizer, _ids(tokenizer, row[c], special=False)) for c in columns]
 
 
@@ -307,8 +313,8 @@ def tokenize_sft_row(
         mask = [int(not completion_only_loss)] * len(prompt_ids) + [1] * len(completion_ids)
     if assistant_only_loss and not any(mask):
         raise DataError(
-            f"row {index}, column {fmt.columns[-1]!r}: no assistant tokens to learn from with "
-            "assistant_only_loss; expected at least one assistant message"
+            f"{row_name(index)}, column {fmt.columns[-1]!r}: no assistant tokens to learn from with "
+            "assistant_only_loss; expected at least one assistant message", row=index,
         )
     truncated = max_length is not None and len(ids) > max_length
     if truncated:
@@ -348,7 +354,25 @@ def _prepare(dataset: Any, tokenizer: Any, expected: str, row_fn: Callable, *,
     kwargs = {"desc": f"Tokenizing ({fmt.name})", **(map_kwargs or {})}
     out = dataset.map(fn, with_indices=True, remove_columns=dataset.column_names, **kwargs)
     num_truncated = int(sum(out["truncated"]))
+    _warn_over_model_limit(out, tokenizer)
     return out.remove_columns("truncated"), TokenizeStats(fmt, len(out), num_truncated)
+
+
+def _warn_over_model_limit(out: Any, tokenizer: Any) -> None:
+    """Warns once about rows that stay longer than the tokenizer's model_max_length after truncation."""
+    limit = getattr(tokenizer, "model_max_length", None)
+    if not isinstance(limit, int) or not 0 < limit < 10**9:  # transformers' "no limit" is ~1e30
+        return
+    prompt = out["prompt_ids"] if "prompt_ids" in out.column_names else None
+    others = [out[c] for c in out.column_names if c.endswith("_ids") and c != "prompt_ids"]
+    lengths = [max(len(ids[i]) for ids in others) + (len(prompt[i]) if prompt is not None else 0)
+               for i in range(len(out))]
+    over = sum(n > limit for n in lengths)
+    if over:
+        logger.warning(
+            "%d of %d rows are longer than the model's limit (model_max_length=%d tokens, longest %d) after "
+            "truncation; set max_length to at most %d unless the model handles longer inputs.",
+            over, len(lengths), limit, max(lengths), limit)
 
 
 def _indexed(row: Mapping, index: int, row_fn: Callable, **kwargs: Any) -> dict:

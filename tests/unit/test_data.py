@@ -125,6 +125,72 @@ def test_missing_local_path():
         load_dataset_any("./no/such/file.jsonl")
 
 
+@pytest.mark.parametrize("name,content,expected", [
+    ("empty.jsonl", "", r"empty\.jsonl is empty: expected JSON Lines"),
+    ("blank.jsonl", "\n \n", r"blank\.jsonl holds no rows \(only whitespace\)"),
+    ("bad.jsonl", '{"prompt": "a"}\n\n{"prompt": "b",}\n', r"bad\.jsonl, line 3, column 16: not valid JSON \(.*\); "
+                                                           r"expected one JSON object per line"),
+    ("list.jsonl", '{"prompt": "a"}\n[1, 2]\n', r"list\.jsonl, line 2: a JSON list; expected an object"),
+    ("array.json", '[{"prompt": "a"},\n {"prompt": }]', r"array\.json, line 2, column 13: not valid JSON"),
+])
+def test_unreadable_local_files_name_file_and_line(tmp_path, name, content, expected):
+    path = tmp_path / name
+    path.write_text(content)
+    with pytest.raises(DataError, match=expected):
+        load_dataset_any(str(path))
+
+
+def test_errors_of_a_local_file_name_its_line(tmp_path):
+    from fusedalign.data.builtin import located_error
+
+    path = tmp_path / "prefs.jsonl"
+    rows = [{"prompt": "a", "chosen": "b", "rejected": "c"}] * 2 + [{"prompt": "a", "chosen": "", "rejected": "c"}]
+    path.write_text(json.dumps(rows[0]) + "\n\n" + "".join(json.dumps(r) + "\n" for r in rows[1:]))
+    with pytest.raises(DataError) as info:
+        validate_dataset(load_dataset_any(str(path)), "dpo")
+    assert info.value.row == 2
+    where = str(located_error(info.value, str(path), "train"))
+    assert where == f"{path}, line 4: row 2 (from 0), column 'chosen': empty chosen; expected a non-empty string"
+    assert str(located_error(info.value, "org/data", "test")).startswith("dataset org/data (test split): row 2 (from 0)")
+
+
+@pytest.mark.parametrize("row, match", [
+    ({"prompt": [{"role": "usr", "content": "a"}], "chosen": assistant("b"), "rejected": assistant("c")},
+     r"row 0 \(from 0\), column 'prompt', message 0 \(from 0\): role 'usr'; expected one of \['assistant'"),
+    ({"prompt": user("a"), "chosen": user("b"), "rejected": assistant("c")},
+     r"column 'chosen', message 0 \(from 0\): role 'user'; expected 'assistant'"),
+    ({"prompt": user("a"), "chosen": assistant("b"), "rejected": [{"role": "asistant", "content": "c"}]},
+     r"column 'rejected', message 0 \(from 0\): role 'asistant'"),
+    ({"prompt": user("a"), "chosen": assistant("b") + user("more"), "rejected": assistant("c")},
+     r"column 'chosen', message 1 \(from 0\): role 'user'"),
+])
+def test_roles_are_checked_in_prompt_and_completions(tok, row, match):
+    with pytest.raises(DataError, match=match):
+        tokenize_dpo_row(row, tok, index=0)
+
+
+def test_roles_of_implicit_and_tool_conversations_are_accepted(tok):
+    implicit = {"chosen": user("a") + assistant("b"), "rejected": user("a") + assistant("c")}
+    assert tokenize_dpo_row(implicit, tok, index=0)["chosen_ids"]
+    tool = [{"role": "assistant", "content": "calling"}, {"role": "tool", "content": "42"}]
+    validate_dataset([{"prompt": [{"role": "system", "content": "s"}] + user("a"), "completion": tool}], "sft")
+
+
+def test_rows_the_truncation_cuts_raise_no_tokenizer_length_warning(tok, caplog):
+    import logging
+
+    short = copy.deepcopy(tok)
+    short.model_max_length = 8
+    rows = Dataset.from_list([{"prompt": "Beautiful is better than ugly. " * 4, "chosen": " Yes.", "rejected": " No."}])
+    with caplog.at_level(logging.WARNING):
+        prepare_dpo_dataset(rows, short, max_length=8)
+    assert "Token indices sequence length" not in caplog.text and "longer than the model's limit" not in caplog.text
+    with caplog.at_level(logging.WARNING):
+        prepare_dpo_dataset(rows, short, max_length=None)  # rows that stay too long: said once, by us
+    assert "Token indices sequence length" not in caplog.text
+    assert "1 of 1 rows are longer than the model's limit (model_max_length=8 tokens" in caplog.text
+
+
 # ------------------------------------------------------------------------------ formats
 
 
@@ -157,15 +223,15 @@ def test_unexpected_columns_named():
 
 @pytest.mark.parametrize("rows, match", [
     ([{"prompt": "a", "chosen": "b", "rejected": "c"}, {"prompt": "  ", "chosen": "b", "rejected": "c"}],
-     r"row 1, column 'prompt': empty prompt"),
-    ([{"prompt": "a", "chosen": "", "rejected": "c"}], r"row 0, column 'chosen': empty chosen"),
+     r"row 1 \(from 0\), column 'prompt': empty prompt"),
+    ([{"prompt": "a", "chosen": "", "rejected": "c"}], r"row 0 \(from 0\), column 'chosen': empty chosen"),
     ([{"prompt": user("a"), "chosen": assistant("b"), "rejected": assistant("c")},
       {"prompt": user("a"), "chosen": [{"role": "assistant"}], "rejected": assistant("c")}],
-     r"row 1, column 'chosen', message 0: expected a mapping with string 'role' and 'content'"),
+     r"row 1 \(from 0\), column 'chosen', message 0 \(from 0\): expected a mapping with string 'role' and 'content'"),
     ([{"prompt": user("a"), "chosen": assistant("b"), "rejected": "c"}],
-     r"row 0, column 'rejected': expected a non-empty list of \{'role', 'content'\} messages"),
+     r"row 0 \(from 0\), column 'rejected': expected a non-empty list of \{'role', 'content'\} messages"),
     ([{"prompt": "a", "chosen": user("b"), "rejected": "c"}],
-     r"row 0, column 'chosen': expected a string"),
+     r"row 0 \(from 0\), column 'chosen': expected a string"),
 ])
 def test_row_errors_name_row_and_column(rows, match):
     with pytest.raises(DataError, match=match):
@@ -174,10 +240,10 @@ def test_row_errors_name_row_and_column(rows, match):
 
 def test_kto_label_must_be_boolean(tok):
     rows = [{"prompt": "a", "completion": "b", "label": True}, {"prompt": "a", "completion": "b", "label": 1}]
-    with pytest.raises(DataError, match=r"row 1, column 'label': expected a boolean.*\(int\)"):
+    with pytest.raises(DataError, match=r"row 1 \(from 0\), column 'label': expected a boolean.*\(int\)"):
         validate_dataset(rows, "kto")
     ints = Dataset.from_list([{**rows[0], "label": 1}, rows[1]])  # e.g. 0/1 labels from a JSON file
-    with pytest.raises(DataError, match=r"row 0, column 'label': expected a boolean"):
+    with pytest.raises(DataError, match=r"row 0 \(from 0\), column 'label': expected a boolean"):
         prepare_kto_dataset(ints, tok)
 
 
@@ -191,7 +257,7 @@ def test_conversational_needs_chat_template(no_template_tok):
 
 def test_prepare_rejects_bad_rows_before_training(tok):
     ds = Dataset.from_list([{"prompt": "a", "completion": "b"}, {"prompt": "c", "completion": ""}])
-    with pytest.raises(DataError, match="row 1, column 'completion': empty completion"):
+    with pytest.raises(DataError, match=r"row 1 \(from 0\), column 'completion': empty completion"):
         prepare_sft_dataset(ds, tok)
     with pytest.raises(DataError, match="empty"):
         prepare_sft_dataset(ds.select([]), tok)
@@ -228,7 +294,7 @@ def test_dpo_template_without_prefix_property_is_an_error(tok):
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
     row = {"prompt": user("Now is"), "chosen": assistant("better."), "rejected": assistant("worse.")}
-    with pytest.raises(DataError, match="row 7, column 'chosen'.*prefix"):
+    with pytest.raises(DataError, match=r"row 7 \(from 0\), column 'chosen'.*prefix"):
         tokenize_dpo_row(row, bad, index=7)
 
 
@@ -239,11 +305,11 @@ def test_implicit_prompt_extraction():
     conv = {"chosen": user("Now is") + assistant("better."), "rejected": user("Now is") + assistant("worse.")}
     assert extract_prompt(conv) == {"prompt": user("Now is"), "chosen": assistant("better."),
                                     "rejected": assistant("worse.")}
-    with pytest.raises(DataError, match="row 3.*no common prefix"):
+    with pytest.raises(DataError, match=r"row 3 \(from 0\).*no common prefix"):
         extract_prompt({"chosen": "Yes.", "rejected": "No."}, 3)
-    with pytest.raises(DataError, match="row 4, columns 'chosen'/'rejected': identical"):
+    with pytest.raises(DataError, match=r"row 4 \(from 0\), columns 'chosen'/'rejected': identical"):
         extract_prompt({"chosen": "Same text.", "rejected": "Same text."}, 4)
-    with pytest.raises(DataError, match="row 5, column 'chosen': empty"):
+    with pytest.raises(DataError, match=r"row 5 \(from 0\), column 'chosen': empty"):
         extract_prompt({"chosen": user("a"), "rejected": user("a") + assistant("b")}, 5)
 
 
@@ -349,7 +415,7 @@ def test_sft_assistant_only_loss(tok, no_template_tok):
         prepare_sft_dataset(ds, no_markers, assistant_only_loss=True)
     with pytest.raises(DataError, match="no chat template"):
         prepare_sft_dataset(ds, no_template_tok)
-    with pytest.raises(DataError, match="row 0, column 'messages': no assistant tokens"):
+    with pytest.raises(DataError, match=r"row 0 \(from 0\), column 'messages': no assistant tokens"):
         prepare_sft_dataset(Dataset.from_list([{"messages": user("hi")}]), tok, assistant_only_loss=True)
 
 

@@ -136,3 +136,50 @@ def test_build_script_is_deterministic(tmp_path):
         new = load_file(str(tmp_path / "models" / name / "model.safetensors"))
         old = load_file(str(MODELS_DIR / name / "model.safetensors"))
         assert new.keys() == old.keys() and all(torch.equal(new[k], old[k]) for k in new)
+
+
+# ------------------------------------------------------------- hub names offline (issue 19, item 8)
+
+
+@pytest.fixture
+def no_hub_calls(monkeypatch):
+    """Resets the once-per-process hub probe and fails the test if transformers is asked to download."""
+    import transformers
+
+    from fusedalign import hub
+
+    monkeypatch.setattr(hub, "_probe", False)
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "HF_ENDPOINT"):
+        monkeypatch.delenv(name, raising=False)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("from_pretrained reached: the hub check let an unreachable name through")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", refuse)
+    return monkeypatch
+
+
+@pytest.mark.parametrize("env", [{"HF_HUB_OFFLINE": "1"}, {"HF_ENDPOINT": "http://127.0.0.1:9"}])
+@pytest.mark.parametrize("name,builtin", [("trl-internal-testing/tiny-Qwen2ForCausalLM-2.5", "builtin:tiny-qwen2"),
+                                          ("trl-internal-testing/tiny-LlamaForCausalLM-3.2", "builtin:tiny-llama")])
+def test_hub_model_without_a_hub_fails_at_once_naming_the_builtin(no_hub_calls, env, name, builtin):
+    from fusedalign.hub import HubUnreachableError
+
+    for key, value in env.items():
+        no_hub_calls.setenv(key, value)
+    with pytest.raises(HubUnreachableError, match=f"'{name}' is a hub name, but the Hugging Face hub is not "
+                                                   f"reachable .*use its builtin equivalent {builtin}"):
+        load_model(name)
+    with pytest.raises(HubUnreachableError, match=builtin):
+        load_tokenizer(name)
+
+
+def test_hub_dataset_without_a_hub_is_one_line_through_the_cli(tmp_path, no_hub_calls, capsys):
+    from fusedalign.cli import main
+
+    no_hub_calls.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["dpo", "--dataset_name", "trl-internal-testing/zen", "--dataset_config", "standard_preference",
+                 "--output_dir", str(tmp_path / "o")]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "HF_HUB_OFFLINE=1" in errors[0] and "builtin equivalent builtin:zen" in errors[0]
