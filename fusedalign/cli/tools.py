@@ -1,0 +1,65 @@
+"""`fusedalign plot|merge|consolidate`: commands on the outputs of a run."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from fusedalign.errors import CLIError
+
+
+def run_plot(argv: list[str]) -> int:
+    from fusedalign.plot import plot_run
+
+    if len(argv) != 1 or argv[0].startswith("-"):
+        raise CLIError("usage: fusedalign plot OUTPUT_DIR")
+    print(plot_run(argv[0]))
+    return 0
+
+
+def _take_option(argv: list[str], name: str, usage: str) -> tuple[str | None, list[str]]:
+    if name not in argv:
+        return None, argv
+    i = argv.index(name)
+    if i + 1 >= len(argv):
+        raise CLIError(usage)
+    return argv[i + 1], argv[:i] + argv[i + 2 :]
+
+
+def run_merge(argv: list[str]) -> int:
+    """`fusedalign merge ADAPTER_DIR OUTPUT_DIR [--base_model NAME]`: a LoRA adapter folded into its base."""
+    usage = "usage: fusedalign merge ADAPTER_DIR OUTPUT_DIR [--base_model NAME_OR_PATH]"
+    base, argv = _take_option(argv, "--base_model", usage)
+    if len(argv) != 2 or any(a.startswith("-") for a in argv):
+        raise CLIError(usage)
+    adapter_dir, output_dir = argv
+    if not os.path.isfile(os.path.join(adapter_dir, "adapter_config.json")):
+        raise CLIError(f"{adapter_dir} is not a PEFT adapter directory (no adapter_config.json); "
+                       "expected the output_dir of a run with --use_peft.")
+    from peft import PeftConfig, PeftModel
+
+    from fusedalign.models import load_model, load_tokenizer
+
+    base = base or PeftConfig.from_pretrained(adapter_dir).base_model_name_or_path
+    model = PeftModel.from_pretrained(load_model(base), adapter_dir).merge_and_unload()
+    has_tokenizer = any(os.path.isfile(os.path.join(adapter_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
+    tokenizer = load_tokenizer(adapter_dir if has_tokenizer else base)
+    model.save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
+    print(f"[fusedalign] {adapter_dir} merged into {base}; full model and tokenizer saved in {output_dir}", file=sys.stderr)
+    return 0
+
+
+def run_consolidate(argv: list[str]) -> int:
+    """`fusedalign consolidate CHECKPOINT_DIR [OUTPUT_DIR]`: a sharded checkpoint as one from_pretrained model."""
+    usage = "usage: fusedalign consolidate CHECKPOINT_DIR [OUTPUT_DIR]  (default OUTPUT_DIR: CHECKPOINT_DIR itself)"
+    if len(argv) not in (1, 2) or any(a.startswith("-") for a in argv):
+        raise CLIError(usage)
+    from fusedalign.distributed.checkpoints import consolidate_checkpoint
+
+    checkpoint_dir = argv[0]
+    output_dir = argv[1] if len(argv) == 2 else checkpoint_dir
+    written = consolidate_checkpoint(checkpoint_dir, output_dir)
+    print(f"[fusedalign] {checkpoint_dir}: whole model written to {written}; "
+          f"load it with AutoModelForCausalLM.from_pretrained({output_dir!r}).", file=sys.stderr)
+    return 0

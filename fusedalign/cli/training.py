@@ -1,0 +1,185 @@
+"""`fusedalign dpo|kto|sft`: parse, check the output directory, load, train, save, plot."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import shlex
+import sys
+from typing import Any
+
+from fusedalign.cli.interrupt import InterruptGuard, Interrupted
+from fusedalign.cli.output_dir import check_output_dir, last_checkpoint, move_old_run_aside, resolve_resume
+from fusedalign.errors import CLIError
+
+TRAINERS = {"dpo": "fusedalign.trainers.dpo:DPOTrainer", "kto": "fusedalign.trainers.kto:KTOTrainer",
+            "sft": "fusedalign.trainers.sft:SFTTrainer"}
+
+
+def _import(spec: str) -> Any:
+    module, attribute = spec.split(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
+def _is_main_process() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def peft_config_from(model_args: Any) -> Any:
+    if not model_args.use_peft:
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(
+        task_type="CAUSAL_LM", r=model_args.lora_r, lora_alpha=model_args.lora_alpha,
+        lora_dropout=model_args.lora_dropout, target_modules=model_args.lora_target_modules or "all-linear",
+        modules_to_save=model_args.lora_modules_to_save,
+    )
+
+
+def load_model_from(model_args: Any) -> Any:
+    from fusedalign.models import load_model
+
+    kwargs = {}
+    if model_args.attn_implementation:
+        kwargs["attn_implementation"] = model_args.attn_implementation
+    if model_args.trust_remote_code:
+        kwargs["trust_remote_code"] = True
+    return load_model(model_args.model_name_or_path, dtype=model_args.dtype, **kwargs)
+
+
+def _expected_kinds(command: str, args: Any) -> str:
+    return "dpo" if command == "kto" and getattr(args, "unpair_preference", False) else command
+
+
+def load_splits(command: str, script: Any, args: Any) -> tuple[Any, Any]:
+    """The train split and, when evaluating, the test split, both checked row by row."""
+    from fusedalign.data import load_dataset_any
+    from fusedalign.data.builtin import is_single_file, located_error
+    from fusedalign.data.formats import DataError, validate_dataset
+
+    if script.dataset_name is None:
+        raise CLIError("--dataset_name is required with --model_name_or_path (e.g. builtin:zen or a local file).")
+    if args.eval_strategy != "no" and is_single_file(script.dataset_name):
+        raise CLIError(
+            f"--eval_strategy {args.eval_strategy}: {script.dataset_name} is a single file, so it has no test split "
+            "to evaluate on (evaluating on the training file would measure nothing); use --eval_strategy no, or a "
+            "directory with train and test files."
+        )
+    splits = [script.dataset_train_split] + ([script.dataset_test_split] if args.eval_strategy != "no" else [])
+    loaded = []
+    for split in splits:
+        dataset = load_dataset_any(script.dataset_name, script.dataset_config, split=split)
+        try:
+            validate_dataset(dataset, _expected_kinds(command, args))
+        except DataError as err:
+            raise located_error(err, script.dataset_name, split) from None
+        loaded.append(dataset)
+    return loaded[0], (loaded[1] if len(loaded) > 1 else None)
+
+
+def _build_trainer(command: str, script: Any, args: Any, model_args: Any, train: Any, evaluate: Any) -> Any:
+    from fusedalign.data.builtin import located_error
+    from fusedalign.data.formats import DataError
+
+    trainer_cls = _import(TRAINERS[command])
+    try:
+        return trainer_cls(model=load_model_from(model_args), args=args, train_dataset=train, eval_dataset=evaluate,
+                           peft_config=peft_config_from(model_args))
+    except DataError as err:
+        raise located_error(err, script.dataset_name, None) from None
+
+
+def _train_and_save(trainer: Any, args: Any, resume: str | None, guard: InterruptGuard) -> None:
+    """Trains, then saves model, tokenizer and the curves; checkpoints are never removed here."""
+    from fusedalign.distributed import prepare_final_save
+    from fusedalign.plot import plot_run
+
+    from fusedalign.distributed.checkpoints import CheckpointConfigCallback
+
+    trainer.add_callback(guard)
+    trainer.add_callback(CheckpointConfigCallback())  # a sharded checkpoint can then be consolidated alone
+    trainer.train(resume_from_checkpoint=resume)
+    with guard.protect():
+        prepare_final_save(trainer)
+        trainer.save_model(args.output_dir)
+    if trainer.is_world_process_zero():
+        try:
+            print(f"[fusedalign] training curves: {plot_run(args.output_dir)}", file=sys.stderr)
+        except (ValueError, FileNotFoundError) as err:
+            print(f"[fusedalign] no plot drawn: {err}", file=sys.stderr)
+        print(f"[fusedalign] model, tokenizer and metrics.jsonl saved in {args.output_dir}", file=sys.stderr)
+
+
+def run_training(command: str, argv: list[str]) -> int:
+    """`fusedalign dpo|kto|sft`: returns the exit code (128 + signal number when interrupted)."""
+    from fusedalign.launch import check_launch
+
+    check_launch()
+    guard = InterruptGuard()
+    guard.install()
+    run: dict[str, Any] = {}
+    try:
+        return _run(command, argv, guard, run)
+    except Interrupted as stop:
+        if _is_main_process():
+            print(interrupt_report(command, argv, run.get("args"), stop.signum), file=sys.stderr)
+        from fusedalign.cli import _exit_code
+
+        return _exit_code(128 + stop.signum)
+
+
+def _run(command: str, argv: list[str], guard: InterruptGuard, run: dict[str, Any]) -> int:
+    from fusedalign.cli.help import dataclass_types
+    from fusedalign.cli.parsing import parse
+    from fusedalign.distributed import setup_distributed, teardown_distributed
+
+    types = dataclass_types(command)
+    setup_distributed()  # before any argument or model is built (DeepSpeed on CPU)
+    script, args, model_args, run_args = parse(command, types, argv)
+    run["args"] = args
+    resume = resolve_resume(args.resume_from_checkpoint, args.output_dir)
+    # Refused before the slow part; an old run is moved aside only once the new one is ready to write.
+    move_aside = check_output_dir(args.output_dir, resume=resume, overwrite=run_args.overwrite_output_dir)
+    train, evaluate = load_splits(command, script, args)
+    trainer = _build_trainer(command, script, args, model_args, train, evaluate)
+    if move_aside:
+        move_old_run_aside(args)
+    _train_and_save(trainer, args, resume, guard)
+    teardown_distributed()
+    return 0
+
+
+def resume_command(command: str, argv: list[str]) -> str:
+    """The command line that continues this run from its last checkpoint."""
+    from fusedalign.launch import launcher_prefix
+
+    kept, skip = [], False
+    for i, token in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        name = token.split("=", 1)[0]
+        if name in ("--resume_from_checkpoint", "--overwrite_output_dir"):
+            has_value = "=" not in token and i + 1 < len(argv) and not argv[i + 1].startswith("--")
+            skip = has_value
+            continue
+        kept.append(token)
+    prefix = launcher_prefix() or ["fusedalign"]
+    return shlex.join([*prefix, command, *kept, "--resume_from_checkpoint", "last"])
+
+
+def interrupt_report(command: str, argv: list[str], args: Any, signum: int) -> str:
+    """What an interrupted run tells its user: where the last checkpoint is and how to resume."""
+    import signal
+
+    name = signal.Signals(signum).name
+    if args is None:
+        return f"[fusedalign] interrupted ({name}) before training started; nothing was written."
+    last = last_checkpoint(args.output_dir)
+    if last is None:
+        why = "save_strategy is 'no'" if args.save_strategy == "no" else "none was due yet"
+        return (f"[fusedalign] interrupted ({name}): no checkpoint was saved in {args.output_dir} ({why}), "
+                "so there is nothing to resume from.")
+    return (f"[fusedalign] interrupted ({name}); every checkpoint is complete, the last one is {last}.\n"
+            f"[fusedalign] resume with: {resume_command(command, argv)}")
