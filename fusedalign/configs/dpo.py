@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fusedalign.configs.common import TRUNCATION_MODES, FusedAlignConfig, check_choice
+from fusedalign.configs.packed import MAX_TOKENS_HELP, PADDING_FREE_HELP, check_packed_batching
 from fusedalign.losses import DPO_LOSSES, DPOOptions, check_dpo_args
 
 
@@ -56,9 +57,25 @@ class DPOConfig(FusedAlignConfig):
                   "(a block of whole pairs) held during the head's forward. Every loss type but aot, aot_pair "
                   "(and bco_pair with bco_running_mean). Same result; false runs the per-token op."},
     )
+    padding_free: bool = field(
+        default=False,
+        metadata={"help": PADDING_FREE_HELP + " TRL 1.16 warns and falls back to padding; here it works with "
+                  "every attention implementation that keeps sequences apart (flash attention as varlen)."},
+    )
+    share_prompt: bool = field(
+        default=False,
+        metadata={"help": "With padding_free: each pair's prompt once, its chosen and rejected branching from it "
+                  "(p + c + r + 1 tokens instead of 2p + c + r), for the policy and the reference; the same "
+                  "log-probs. Needs an attention implementation that takes a mask (flex_attention, sdpa, eager), "
+                  "not flash attention."},
+    )
+    max_tokens_per_batch: int | None = field(
+        default=None, metadata={"help": MAX_TOKENS_HELP.format(units="pairs", unit="pair")}
+    )
 
     def __post_init__(self):
         super().__post_init__()
+        check_packed_batching(self, "pair")
         if isinstance(self.loss_type, str):
             self.loss_type = [self.loss_type]
         # Every DPO option is validated here, once, before any model loads.

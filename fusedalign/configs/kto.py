@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fusedalign.configs.common import TRUNCATION_MODES, FusedAlignConfig, check_choice
+from fusedalign.configs.packed import MAX_TOKENS_HELP, PADDING_FREE_HELP, check_packed_batching
 from fusedalign.losses import KTO_LOSSES, KTOOptions, check_kto_args
 
 
@@ -49,9 +50,22 @@ class KTOConfig(FusedAlignConfig):
         metadata={"help": "Accept paired preference data (prompt/chosen/rejected) and train on it unpaired: "
                   "each pair becomes a desirable and an undesirable example."},
     )
+    padding_free: bool = field(default=False, metadata={"help": PADDING_FREE_HELP + " (TRL's KTO has no such flag.)"})
+    share_prompt: bool = field(
+        default=False,
+        metadata={"help": "With padding_free: the reference's one forward over each completion and its KL partner "
+                  "computes their shared prompt once. (The policy's two forwards, with and without gradient, are "
+                  "separate rows and gain nothing.) Needs flex_attention, sdpa or eager attention."},
+    )
+    max_tokens_per_batch: int | None = field(
+        default=None,
+        metadata={"help": MAX_TOKENS_HELP.format(units="examples", unit="example") + " An example counts with its "
+                  "KL partner (the reference's joint row), the longest row a micro-batch runs."},
+    )
 
     def __post_init__(self):
         super().__post_init__()
+        check_packed_batching(self, "example")
         # Every KTO option is validated here, once, before any model loads.
         check_kto_args(
             self.loss_type, beta=self.beta, desirable_weight=self.desirable_weight,
@@ -75,6 +89,8 @@ class KTOConfig(FusedAlignConfig):
         batch of 1 pairs a row with itself; here pairs are fixed per row, so accumulating
         per-device batches of 1 is fine, but a step of one example would set z0 from one sample.)
         """
+        if self.max_tokens_per_batch is not None:
+            return  # a token budget fills each micro-batch with as many examples as fit
         per_step = self.per_device_train_batch_size * self.gradient_accumulation_steps * self.world_size
         if self.uses_kl and per_step < 2:
             raise ValueError(

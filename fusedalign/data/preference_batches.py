@@ -47,7 +47,7 @@ the label is -100. Sequences are numbered as `DPOCollator` orders its rows: chos
 is sequence i, rejected is B + i (KTO: completion i, KL partner B + i), so `seq[:B]` and
 `seq[B:]` keep their meaning.
 
-**What a trainer does** (DPO; KTO alike):
+**What a trainer does** (DPO; KTO alike; `fusedalign.trainers.preference_inputs` does it):
 1. kwargs = `fusedalign.attention.attention_inputs(model, batch)` once per batch; the policy
    and the reference forward take the same kwargs, so the reference runs in the same layout.
 2. labels = batch["labels"]; token log-probs [1, L] from `token_logprobs(model, kwargs,
@@ -55,10 +55,11 @@ is sequence i, rejected is B + i (KTO: completion i, KL partner B + i), so `seq[
    loss-aware head sums); lengths = batch["scored_tokens"].
 3. `count_items` = `valid_pairs(batch).sum()`: pairs whose chosen and rejected both keep a
    scored token, the unit of the global normaliser (pairs of the optimizer step, all ranks).
-4. Precomputed reference log-probs stay per pair (`index` passes through as a [B] column):
-   sums of the same layout equal the padded ones to rounding, so either layout fills them.
-5. The loss-aware head needs per-position segments: `sequence_ids` as its segments and
-   `sequence_pair` as the group of each sequence (`RowLoss` knows one sequence per row only).
+4. Precomputed reference log-probs stay per pair, keyed by `row_key` (the collators'
+   `row_keys=True`, the same hash as the padded collators'): sums of the same layout equal
+   the padded ones to rounding, so either layout fills them.
+5. The loss-aware head takes per-position segments: `RowLoss(groups=sequence_pair, grad,
+   segments=sequence_ids)` (a row holds both sequences of a pair, and several pairs).
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ from numbers import Number
 import torch
 from torch import Tensor
 
+from .collators import row_keys
 from .formats import DataError
 
 IGNORE_INDEX = -100
@@ -162,8 +164,9 @@ def pack_groups(groups: Sequence[tuple[list[int], list[list[int]]]], *, share_pr
     Returns:
         input_ids, position_ids, completion_mask, labels, segment_ids, parent_ids,
         sequence_ids: [1, L] long. sequence_pair, sequence_role, scored_tokens: [S] long
-        (S = K * B; completion k of group i is sequence k * B + i). pair_tokens: [B] long,
-        the tokens each group occupies.
+        (S = K * B; completion k of group i is sequence k * B + i). sequence_tokens: [S]
+        long, prompt + completion of each sequence (the tokens a padded row holds, whatever
+        the layout). pair_tokens: [B] long, the tokens each group occupies.
 
     Raises:
         DataError: no groups, or groups with different numbers of completions.
@@ -175,6 +178,7 @@ def pack_groups(groups: Sequence[tuple[list[int], list[list[int]]]], *, share_pr
         raise DataError(f"every row of a packed batch needs {k} completion(s); got {[len(c) for _, c in groups]}")
     b, row = len(groups), _Row()
     pair_tokens = []
+    sequence_tokens = [len(prompt) + len(completions[j]) for j in range(k) for prompt, completions in groups]
     for i, (prompt, completions) in enumerate(groups):
         before = len(row.cols["input_ids"])
         sequences = [j * b + i for j in range(k)]
@@ -195,6 +199,7 @@ def pack_groups(groups: Sequence[tuple[list[int], list[list[int]]]], *, share_pr
     batch["sequence_pair"] = torch.arange(b).repeat(k)
     batch["sequence_role"] = torch.arange(k).repeat_interleave(b)
     batch["pair_tokens"] = torch.tensor(pair_tokens, dtype=torch.long)
+    batch["sequence_tokens"] = torch.tensor(sequence_tokens, dtype=torch.long)
     return batch
 
 
@@ -228,16 +233,23 @@ def _scalars(features: Sequence[Mapping], used: set[str]) -> dict[str, Tensor]:
 
 @dataclass
 class PackedDPOCollator:
-    """Batches DPO rows into one padding-free row (`preference_batch`), plus scalar columns as [B]."""
+    """Batches DPO rows into one padding-free row (`preference_batch`), plus scalar columns as [B].
+
+    With `row_keys`, also `row_key` [B]: the content hash `DPOCollator(row_keys=True)` gives the
+    same row (the key of precomputed reference log-probs, so either layout reads one store).
+    """
 
     pad_token_id: int = 0
     share_prompt: bool = False
     pad_to_multiple_of: int | None = None
+    row_keys: bool = False
 
     def __call__(self, features: Sequence[Mapping]) -> dict[str, Tensor]:
         batch = preference_batch(features, share_prompt=self.share_prompt, pad_token_id=self.pad_token_id,
                                  pad_to_multiple_of=self.pad_to_multiple_of)
         batch.update(_scalars(features, {"prompt_ids", "chosen_ids", "rejected_ids"}))
+        if self.row_keys:
+            batch["row_key"] = row_keys(features, ("prompt_ids", "chosen_ids", "rejected_ids"))
         return batch
 
 
@@ -248,20 +260,26 @@ class PackedKTOCollator:
     Output: the completions (the policy's forward with gradient) under plain keys; with
     `kl_completion_ids` in the rows, the KL partners (the policy's no-grad forward) under
     `kl_` keys and both in one row (the reference's forward; sharing the prompt if
-    `share_prompt`) under `joint_` keys.
+    `share_prompt`) under `joint_` keys. With `row_keys`, `row_key` [B] as `KLPairCollator`
+    gives it (completion and KL partner).
     """
 
     pad_token_id: int = 0
     share_prompt: bool = False
     pad_to_multiple_of: int | None = None
+    row_keys: bool = False
 
     def __call__(self, features: Sequence[Mapping]) -> dict[str, Tensor]:
         opts = dict(pad_token_id=self.pad_token_id, pad_to_multiple_of=self.pad_to_multiple_of)
         batch = kto_batch(features, kl=False, **opts)
+        fields: tuple[str, ...] = ("prompt_ids", "completion_ids")
         if "kl_completion_ids" in features[0]:
             batch.update({f"kl_{k}": v for k, v in kto_batch(features, completion=False, **opts).items()})
             joint = kto_batch(features, share_prompt=self.share_prompt, **opts)
             batch.update({f"joint_{k}": v for k, v in joint.items()})
+            fields += ("kl_completion_ids",)
+        if self.row_keys:
+            batch["row_key"] = row_keys(features, fields)
         batch["label"] = torch.tensor([bool(f["label"]) for f in features], dtype=torch.bool)
         batch.update(_scalars(features, {"prompt_ids", "completion_ids", "kl_completion_ids", "label"}))
         return batch

@@ -1,9 +1,11 @@
 """DPOTrainer: step preparation (reference log-probs) -> labels -> policy log-probs -> DPO loss.
 
-Chosen and rejected completions go through the policy in one forward (rows `[:B]` are
-chosen, `[B:]` rejected); the reference, in whichever mode, likewise, once per
-micro-batch in the step's preparation, before any policy forward: with the reference
-known, the policy's head can form its gradient in its own forward (the loss-aware head).
+Chosen and rejected completions go through the policy in one forward (padded: rows `[:B]`
+chosen, `[B:]` rejected; `padding_free`: one row holding every sequence, `share_prompt`:
+each prompt once, `trainers/preference_inputs.py`); the reference, in whichever mode,
+likewise, in the same layout, once per micro-batch in the step's preparation, before any
+policy forward: with the reference known, the policy's head can form its gradient in its
+own forward (the loss-aware head). Either way the trainer sees per-sequence sums `[2B]`.
 """
 
 from __future__ import annotations
@@ -15,16 +17,22 @@ from datasets import Dataset
 from torch import nn
 
 from fusedalign.configs import DPOConfig
-from fusedalign.data import DPOCollator, position_labels
+from fusedalign.data import DPOCollator
+from fusedalign.data.preference_batches import PackedDPOCollator, dpo_row_tokens
 from fusedalign.data.splits import prepare_split
-from fusedalign.head import IGNORE_INDEX, RowLoss
 from fusedalign.losses import (
     RunningRewardMean, bco_reward_mean, dpo_batch_loss, pair_loss_gradient, pairwise_dpo_losses, valid_pairs,
 )
 from fusedalign.losses.dpo_metrics import DPOMetrics
 from fusedalign.trainers.base import FusedAlignTrainer
 from fusedalign.trainers.policy import load_policy
+from fusedalign.trainers.preference_inputs import MicroBatches, RowLayout, check_models
 from fusedalign.trainers.reference import ROW_KEY, PrecomputedLogps, Reference, load_reference_model, precompute_reference
+
+
+def _padded_length(row: dict) -> int:
+    """A pair's length in a padded batch (its two rows are padded to the same length)."""
+    return len(row["prompt_ids"]) + max(len(row["chosen_ids"]), len(row["rejected_ids"]))
 
 
 class DPOTrainer(FusedAlignTrainer):
@@ -57,11 +65,14 @@ class DPOTrainer(FusedAlignTrainer):
         args = args or DPOConfig()
         policy = load_policy(model, args, processing_class, peft_config)
         reference = load_reference_model(ref_model, policy, args, needed=not args.reference_free)
+        check_models(args, policy.model, reference)
         tokenize = dict(max_length=args.max_length, max_prompt_length=args.max_prompt_length,
                         truncation_mode=args.truncation_mode)
+        pad, keys = policy.tokenizer.pad_token_id, args.precompute_ref_log_probs
         super().__init__(
             model=policy.model, args=args,
-            data_collator=DPOCollator(policy.tokenizer.pad_token_id, row_keys=args.precompute_ref_log_probs),
+            data_collator=PackedDPOCollator(pad, args.share_prompt, row_keys=keys) if args.padding_free
+            else DPOCollator(pad, row_keys=keys),
             train_dataset=prepare_split("dpo", train_dataset, policy.tokenizer, "train", **tokenize),
             eval_dataset=prepare_split("dpo", eval_dataset, policy.tokenizer, "eval", **tokenize),
             processing_class=policy.tokenizer, callbacks=callbacks,
@@ -69,6 +80,9 @@ class DPOTrainer(FusedAlignTrainer):
         self.reference = Reference.prepare(reference, self.accelerator, policy_is_peft=policy.is_peft,
                                            needed=not args.reference_free, disable_dropout_=args.disable_dropout)
         self.reference_store = PrecomputedLogps() if args.precompute_ref_log_probs else None
+        self.rows = RowLayout(packed=args.padding_free)
+        self.micro_batches = MicroBatches(args, lambda row: dpo_row_tokens(row, args.share_prompt), _padded_length)
+        self.micro_batches.plan(self.train_dataset, self.accelerator.num_processes)
         self.bco_shift = None
         if "bco_pair" in args.loss_type and args.bco_running_mean:
             self.bco_shift = self.checkpointed("bco_running_mean", RunningRewardMean())
@@ -77,19 +91,28 @@ class DPOTrainer(FusedAlignTrainer):
     def ref_model(self) -> nn.Module | None:
         return self.reference.model
 
+    # ------------------------------------------------------------------ sampling
+
+    def get_train_dataloader(self):
+        return self.micro_batches.train_dataloader(self) or super().get_train_dataloader()
+
+    def _get_train_sampler(self, train_dataset=None):
+        dataset = self.train_dataset if train_dataset is None else train_dataset
+        default = super()._get_train_sampler
+        return self.micro_batches.train_sampler(dataset, lambda: default(dataset))
+
+    def _get_eval_sampler(self, eval_dataset):
+        default = super()._get_eval_sampler
+        return self.micro_batches.eval_sampler(eval_dataset, lambda: default(eval_dataset))
+
     # ------------------------------------------------------------------ the step
-
-    @staticmethod
-    def _labels(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        return position_labels(inputs["input_ids"], inputs["completion_mask"])  # [2B, T]
-
-    @staticmethod
-    def _lengths(labels: torch.Tensor) -> torch.Tensor:
-        return (labels != IGNORE_INDEX).sum(-1)  # [2B]
 
     def count_items(self, inputs: dict[str, Any]) -> torch.Tensor:
         """Pairs whose chosen and rejected both keep at least one completion token."""
-        return valid_pairs(self._lengths(self._labels(inputs))).sum()
+        return valid_pairs(self.rows.lengths(inputs)).sum()
+
+    def count_input_tokens(self, inputs: dict[str, Any]) -> torch.Tensor:
+        return self.rows.input_tokens(inputs)
 
     def prepare_step(self, model: nn.Module, batches: list[dict[str, Any]], mode: str) -> list[dict[str, Any]]:
         """Adds `ref_logps` [2B], the reference's sequence log-probs, to every micro-batch, and
@@ -99,7 +122,7 @@ class DPOTrainer(FusedAlignTrainer):
         if "sft" in self.args.loss_type:
             totals = torch.zeros(2, dtype=torch.float64, device=self.accelerator.device)
             for batch in batches:
-                lengths = self._lengths(self._labels(batch))
+                lengths = self.rows.lengths(batch)
                 half, valid = lengths.shape[0] // 2, valid_pairs(lengths)
                 totals += torch.stack([(lengths[:half] * valid).sum(), valid.sum()]).to(totals)
             totals = self.accelerator.reduce(totals, reduction="sum")
@@ -108,13 +131,14 @@ class DPOTrainer(FusedAlignTrainer):
         return batches
 
     def _sequence_logps(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        model_inputs = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]}
+        out = self.token_logprobs(model, self.rows.model_inputs(model, inputs), self.rows.labels(inputs))
         # Summed in fp64 and rounded once, as the policy's are: equal models give equal sums.
-        return self.token_logprobs(model, model_inputs, self._labels(inputs)).logps.double().sum(-1).float()  # [2B]
+        return self.rows.sums(out.logps, inputs)  # [2B]
 
     def _reference_logps(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         if self.args.reference_free:
-            return torch.zeros(batch["input_ids"].shape[0], device=batch["input_ids"].device)
+            lengths = self.rows.lengths(batch)
+            return torch.zeros(lengths.shape[0], device=lengths.device)
         if self.reference_store is not None:
             if not self.reference_store.ready:
                 precompute_reference(self, self.reference_store, lambda b: self._reference_pairs(model, b))
@@ -131,30 +155,26 @@ class DPOTrainer(FusedAlignTrainer):
 
     def loss_and_metrics(self, model: nn.Module, inputs: dict[str, Any], mode: str) -> tuple[torch.Tensor, DPOMetrics]:
         args = self.args
-        labels = self._labels(inputs)
-        lengths = self._lengths(labels)
+        labels, lengths = self.rows.labels(inputs), self.rows.lengths(inputs)
         ref = inputs["ref_logps"]
         sft_divisor = inputs.get("sft_tokens_per_pair")
         opts = args.loss_options(self.bco_shift.delta if self.bco_shift is not None else 0.0, sft_divisor)
         row_loss = None
         if self._loss_aware(mode):
-            half = lengths.shape[0] // 2
-            pair = torch.arange(half, device=labels.device)
-            row_loss = RowLoss(groups=torch.cat([pair, pair]),
-                               grad=pair_loss_gradient(ref, lengths, args.loss_plan, opts))
-        model_inputs = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]}
-        out = self.token_logprobs(model, model_inputs, labels, logit_mean=True, entropy=True, argmax=True,
-                                  row_loss=row_loss)
+            row_loss = self.rows.row_loss(inputs, pair_loss_gradient(ref, lengths, args.loss_plan, opts))
+        out = self.token_logprobs(model, self.rows.model_inputs(model, inputs), labels, logit_mean=True,
+                                  entropy=True, argmax=True, row_loss=row_loss)
         # Summed in fp64 (then rounded once): the loss-aware head sums the same log-probs the
         # same way, so the loss it predicts is the loss computed here.
-        seq = out.logps.double().sum(-1).to(out.logps.dtype)  # [2B]
+        seq = self.rows.sums(out.logps, inputs)  # [2B]
         if self.bco_shift is not None and mode == "train":
             # BCO's reward shift: a running mean over every reward seen, this batch included.
             self._update_bco_shift(args.beta * (seq.detach() - ref.to(seq.dtype)))
             opts = args.loss_options(self.bco_shift.delta, sft_divisor)
         # The metrics TRL logs, from the head's own pass (0 on positions without a label).
-        return dpo_batch_loss(seq, ref, lengths, args.loss_plan, opts, logit_sums=out.logit_mean.sum(-1),
-                              entropy_sums=out.entropy.sum(-1), correct=out.argmax_match.sum(-1))
+        sums = lambda values: self.rows.sums(values, inputs)  # noqa: E731
+        return dpo_batch_loss(seq, ref, lengths, args.loss_plan, opts, logit_sums=sums(out.logit_mean),
+                              entropy_sums=sums(out.entropy), correct=sums(out.argmax_match))
 
     def _loss_aware(self, mode: str) -> bool:
         """Whether the policy's head may form its gradient in the forward: fused, training,

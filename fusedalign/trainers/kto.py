@@ -5,7 +5,10 @@ the completions (with gradient), the policy on the KL pairs (no gradient: z0 is
 detached, as in TRL), and the reference on both, in one forward of the completion rows
 and the KL rows stacked. The policy's KL rows get their own no-grad forward rather than
 riding along with the completions: stacked, they would keep activations and cost
-backward work for outputs that are detached anyway.
+backward work for outputs that are detached anyway. With `padding_free` each of the three
+forwards is one packed row (`trainers/preference_inputs.py`): the completions, the KL
+partners, and for the reference both in one row, where `share_prompt` computes the prompt
+a completion and its KL partner share once.
 
 The KL reference point z0 (KTO paper, Eq. 7) pairs each row with a partner fixed when
 the data is prepared (`fusedalign.data.kto`), and is the clamped mean of
@@ -26,14 +29,19 @@ from datasets import Dataset
 from torch import nn
 
 from fusedalign.configs import KTOConfig
-from fusedalign.data import position_labels
 from fusedalign.data.kto import KLPairCollator, add_kl_pairs, stack_kl_rows, unpaired, warn_on_class_balance
+from fusedalign.data.preference_batches import PackedKTOCollator, kto_row_tokens
 from fusedalign.data.splits import prepare_split
-from fusedalign.head import IGNORE_INDEX
 from fusedalign.losses import KTOMetrics, kl_from_sums, kl_sums, kto_batch_loss
 from fusedalign.trainers.base import FusedAlignTrainer
 from fusedalign.trainers.policy import load_policy
+from fusedalign.trainers.preference_inputs import MicroBatches, RowLayout, check_models
 from fusedalign.trainers.reference import ROW_KEY, PrecomputedLogps, Reference, load_reference_model, precompute_reference
+
+
+def _padded_length(row: dict) -> int:
+    """An example's length in a padded batch (its KL partner's row is padded with the KL rows)."""
+    return len(row["prompt_ids"]) + len(row["completion_ids"])
 
 
 class KTOTrainer(FusedAlignTrainer):
@@ -66,18 +74,25 @@ class KTOTrainer(FusedAlignTrainer):
         args = args or KTOConfig()
         policy = load_policy(model, args, processing_class, peft_config)
         reference = load_reference_model(ref_model, policy, args, needed=True)
+        check_models(args, policy.model, reference)
         train_dataset = self._prepare_split(train_dataset, policy.tokenizer, args, "train")
         if train_dataset is not None:
             warn_on_class_balance(train_dataset["label"], args.desirable_weight, args.undesirable_weight)
+        pad, keys = policy.tokenizer.pad_token_id, args.precompute_ref_log_probs
         super().__init__(
             model=policy.model, args=args,
-            data_collator=KLPairCollator(policy.tokenizer.pad_token_id, row_keys=args.precompute_ref_log_probs),
+            data_collator=PackedKTOCollator(pad, args.share_prompt, row_keys=keys) if args.padding_free
+            else KLPairCollator(pad, row_keys=keys),
             train_dataset=train_dataset, eval_dataset=self._prepare_split(eval_dataset, policy.tokenizer, args, "eval"),
             processing_class=policy.tokenizer, callbacks=callbacks,
         )
         self.reference = Reference.prepare(reference, self.accelerator, policy_is_peft=policy.is_peft, needed=True,
                                            disable_dropout_=args.disable_dropout)
         self.reference_store = PrecomputedLogps() if args.precompute_ref_log_probs else None
+        self.rows = RowLayout(packed=args.padding_free)
+        self.micro_batches = MicroBatches(args, lambda row: kto_row_tokens(row, args.share_prompt, kl=args.uses_kl),
+                                          _padded_length)
+        self.micro_batches.plan(self.train_dataset, self.accelerator.num_processes)
 
     @staticmethod
     def _prepare_split(dataset: Dataset | None, tokenizer: Any, args: KTOConfig, split: str) -> Dataset | None:
@@ -96,15 +111,28 @@ class KTOTrainer(FusedAlignTrainer):
     def ref_model(self) -> nn.Module | None:
         return self.reference.model
 
-    # ------------------------------------------------------------------ the step
+    # ------------------------------------------------------------------ sampling
 
-    @staticmethod
-    def _labels(inputs: dict[str, torch.Tensor], prefix: str = "") -> torch.Tensor:
-        return position_labels(inputs[prefix + "input_ids"], inputs[prefix + "completion_mask"])  # [B, T]
+    def get_train_dataloader(self):
+        return self.micro_batches.train_dataloader(self) or super().get_train_dataloader()
+
+    def _get_train_sampler(self, train_dataset=None):
+        dataset = self.train_dataset if train_dataset is None else train_dataset
+        default = super()._get_train_sampler
+        return self.micro_batches.train_sampler(dataset, lambda: default(dataset))
+
+    def _get_eval_sampler(self, eval_dataset):
+        default = super()._get_eval_sampler
+        return self.micro_batches.eval_sampler(eval_dataset, lambda: default(eval_dataset))
+
+    # ------------------------------------------------------------------ the step
 
     def count_items(self, inputs: dict[str, Any]) -> torch.Tensor:
         """Examples with at least one completion token."""
-        return (self._labels(inputs) != IGNORE_INDEX).any(-1).sum()
+        return (self.rows.lengths(inputs) > 0).sum()
+
+    def count_input_tokens(self, inputs: dict[str, Any]) -> torch.Tensor:
+        return self.rows.input_tokens(inputs)
 
     def prepare_step(self, model: nn.Module, batches: list[dict[str, Any]], mode: str) -> list[dict[str, Any]]:
         """Adds `ref_logps` [B] to each micro-batch of one step, and the step's z0 as `kl` [].
@@ -116,8 +144,8 @@ class KTOTrainer(FusedAlignTrainer):
             for batch in batches:
                 batch["ref_logps"], ref_kl = self._reference_logps(model, batch)
                 if self.args.uses_kl:
-                    policy_kl, kl_labels = self._sequence_logps(model, batch, prefix="kl_")
-                    scored = (kl_labels != IGNORE_INDEX).any(-1)
+                    policy_kl = self._sequence_logps(model, batch, prefix="kl_")
+                    scored = self.rows.lengths(batch, "kl_") > 0
                     sums += torch.stack(kl_sums(policy_kl[scored], ref_kl.to(policy_kl)[scored])).to(sums.device)
         z0 = torch.zeros((), device=self.accelerator.device)
         if self.args.uses_kl:
@@ -127,20 +155,21 @@ class KTOTrainer(FusedAlignTrainer):
             batch["kl"] = z0
         return batches
 
-    def _sequence_logps(self, model: nn.Module, rows: dict[str, torch.Tensor], prefix: str = "") -> tuple[torch.Tensor, torch.Tensor]:
-        """Summed completion log-probs [B] of `rows` (keys with `prefix`), and their labels [B, T]."""
-        labels = self._labels(rows, prefix)
-        model_inputs = {"input_ids": rows[prefix + "input_ids"], "attention_mask": rows[prefix + "attention_mask"]}
-        return self.token_logprobs(model, model_inputs, labels).logps.sum(-1), labels
+    def _sequence_logps(self, model: nn.Module, rows: dict[str, torch.Tensor], prefix: str = "") -> torch.Tensor:
+        """Summed completion log-probs [S] of the sequences of `rows` (keys with `prefix`)."""
+        out = self.token_logprobs(model, self.rows.model_inputs(model, rows, prefix), self.rows.labels(rows, prefix))
+        return self.rows.sums(out.logps, rows, prefix)
 
     def _pair_logps(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs [B] of each row's completion and of its KL pair (zeros without KL), one forward."""
-        rows = batch["input_ids"].shape[0]
         if not self.args.uses_kl:
-            logps = self._sequence_logps(model, batch)[0]
+            logps = self._sequence_logps(model, batch)
             return logps, torch.zeros_like(logps)
-        logps = self._sequence_logps(model, stack_kl_rows(batch, self.data_collator.pad_token_id))[0]  # [2B]
-        return logps[:rows], logps[rows:]
+        if self.rows.packed:  # both in one row (the prompt once with share_prompt)
+            logps = self._sequence_logps(model, batch, prefix="joint_")  # [2B]
+        else:
+            logps = self._sequence_logps(model, stack_kl_rows(batch, self.data_collator.pad_token_id))  # [2B]
+        return logps.chunk(2)
 
     def _reference_logps(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         if self.reference_store is not None:
@@ -154,11 +183,11 @@ class KTOTrainer(FusedAlignTrainer):
     # ------------------------------------------------------------------ loss
 
     def loss_and_metrics(self, model: nn.Module, inputs: dict[str, Any], mode: str) -> tuple[torch.Tensor, KTOMetrics]:
-        labels = self._labels(inputs)
-        model_inputs = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]}
         # The metrics TRL logs (logits/*, entropy) come from the head's own pass.
-        out = self.token_logprobs(model, model_inputs, labels, logit_mean=True, entropy=True)
-        tokens = (labels != IGNORE_INDEX).sum(-1)  # [B]
-        return kto_batch_loss(out.logps.sum(-1), inputs["ref_logps"], inputs["kl"], inputs["label"], tokens > 0,
-                              self.args.loss_options(), logit_sums=out.logit_mean.sum(-1),
-                              entropy_sums=out.entropy.sum(-1), tokens=tokens)
+        out = self.token_logprobs(model, self.rows.model_inputs(model, inputs), self.rows.labels(inputs),
+                                  logit_mean=True, entropy=True)
+        tokens = self.rows.lengths(inputs)  # [B]
+        sums = lambda values: self.rows.sums(values, inputs)  # noqa: E731
+        return kto_batch_loss(sums(out.logps), inputs["ref_logps"], inputs["kl"], inputs["label"], tokens > 0,
+                              self.args.loss_options(), logit_sums=sums(out.logit_mean),
+                              entropy_sums=sums(out.entropy), tokens=tokens)

@@ -1,0 +1,59 @@
+"""The checks of padding-free preference batches, shared by DPOConfig and KTOConfig.
+
+`padding_free`, `share_prompt` and `max_tokens_per_batch` are checked here once, when
+the config is made; what needs the model or the data (an attention implementation that
+cannot keep a row's sequences apart, a pair longer than the budget) is refused when the
+trainer is made, before any step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+PADDING_FREE_HELP = (
+    "Concatenate each micro-batch's sequences into one row, no padding, each sequence confined to itself "
+    "(position_ids; a mask with share_prompt). Same losses and gradients as padded batches."
+)
+MAX_TOKENS_HELP = (
+    "With padding_free: micro-batches of whole {units} up to this many tokens (instead of "
+    "per_device_train_batch_size rows), so memory stays flat whatever the lengths; the loss stays the mean "
+    "over the optimizer step's {units}. A {unit} longer than the budget is refused when the trainer is made."
+)
+
+
+def check_packed_batching(args: Any, unit: str) -> None:
+    """Refuses combinations of the packed-batch flags that cannot run (one line each).
+
+    Args:
+        args: a DPOConfig or KTOConfig after `TrainingArguments.__post_init__`.
+        unit: what a micro-batch holds whole ("pair", "example"), for the messages.
+
+    Raises:
+        ValueError: naming the flags and the way out.
+    """
+    if args.share_prompt and not args.padding_free:
+        raise ValueError(
+            "share_prompt computes each prompt once inside a padding-free row: add --padding_free true "
+            "(or drop --share_prompt)."
+        )
+    budget = args.max_tokens_per_batch
+    if budget is None:
+        return
+    if not args.padding_free:
+        raise ValueError(
+            f"max_tokens_per_batch={budget} packs whole {unit}s into padding-free micro-batches: add "
+            "--padding_free true (padded batches take per_device_train_batch_size)."
+        )
+    if budget < 1:
+        raise ValueError(f"max_tokens_per_batch must be a positive number of tokens, got {budget}.")
+    if args.train_sampling_strategy == "group_by_length":
+        raise ValueError(
+            "train_sampling_strategy='group_by_length' groups padded batches by length; with max_tokens_per_batch "
+            "the token-budget sampler forms the micro-batches itself. Use 'random' (shuffled plan) or "
+            "'sequential' (dataset order)."
+        )
+    if getattr(args.accelerator_config, "split_batches", False):
+        raise ValueError(
+            "max_tokens_per_batch makes micro-batches of varying size, which accelerate cannot split across "
+            "ranks: set accelerator_config split_batches=False (the default)."
+        )
