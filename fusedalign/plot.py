@@ -1,31 +1,91 @@
-"""Training curves from a run's `metrics.jsonl`, drawn to a PNG."""
+"""Training curves from a run's `metrics.jsonl`, drawn to a PNG.
+
+One panel per metric, its training and evaluation values together (`loss` and
+`eval_loss` on one panel). A metric that is zero all along (KTO's `eval_kl` with a
+frozen reference, a clip ratio that never clips) gets no panel: a flat line at zero
+says nothing a reader needs. Metric groups such as GRPO's `clip_ratio/*` share a panel.
+"""
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import math
 import os
+from typing import NamedTuple
 
-# The curves each method cares about, in display order; others present are skipped.
+# The metrics drawn, in display order; a pattern ending in "/*" that is listed in GROUPED
+# puts its metrics on one panel, any other pattern gives each match a panel of its own.
 CURVES = (
-    "loss", "eval_loss", "rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected",
-    "kl", "mean_token_accuracy", "entropy",
+    "loss", "rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected", "reward", "reward_std",
+    "rewards/*", "kl", "entropy", "mean_token_accuracy", "completions/mean_length", "clip_ratio/*",
 )
+GROUPED = frozenset({"clip_ratio/*"})
+EVAL_PREFIX = "eval_"
+
+
+class Series(NamedTuple):
+    steps: list[float]
+    values: list[float]
 
 
 def read_metrics(path: str) -> list[dict]:
     """Reads a metrics JSONL file; a truncated last line (a run killed mid-write) is skipped."""
     records = []
     with open(path) as f:
-        for number, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}, line {number}: not valid JSON ({err.msg}).") from None
+        lines = f.read().splitlines()
+    for number, line in enumerate(lines, 1):
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if number == len(lines):
+                break
+            raise ValueError(f"{path}, line {number}: not valid JSON ({err.msg}).") from None
     return records
+
+
+def last_run(records: list[dict]) -> list[dict]:
+    """The records of the last run in a log that holds several appended ones (steps going back)."""
+    start = 0
+    for i in range(1, len(records)):
+        if records[i].get("step", 0) < records[i - 1].get("step", 0):
+            start = i
+    return records[start:]
+
+
+def _panel_of(name: str) -> tuple[int, str] | None:
+    for order, pattern in enumerate(CURVES):
+        if name == pattern or (pattern.endswith("*") and fnmatch.fnmatchcase(name, pattern)):
+            return order, (pattern[:-2] if pattern in GROUPED else name)
+    return None
+
+
+def panels(records: list[dict]) -> dict[str, dict[str, Series]]:
+    """Panel title -> line label -> series, in display order, constant-zero lines and empty panels left out."""
+    found: dict[tuple[int, str], dict[str, Series]] = {}
+    for record in last_run(records):
+        for key, value in record.items():
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or key in ("step", "epoch"):
+                continue
+            evaluation = key.startswith(EVAL_PREFIX)
+            name = key[len(EVAL_PREFIX):] if evaluation else key
+            where = _panel_of(name)
+            if where is None:
+                continue
+            grouped = where[1] != name
+            label = (f"{name.split('/', 1)[1]} " if grouped else "") + ("eval" if evaluation else "train")
+            series = found.setdefault(where, {}).setdefault(label, Series([], []))
+            series.steps.append(record.get("step", 0))
+            series.values.append(float(value))
+    out = {}
+    for (_, title), lines in sorted(found.items()):
+        kept = {label: s for label, s in lines.items() if any(v != 0 and math.isfinite(v) for v in s.values)}
+        if kept:
+            out[title] = kept
+    return out
 
 
 def plot_run(output_dir: str, out_file: str | None = None) -> str:
@@ -43,30 +103,27 @@ def plot_run(output_dir: str, out_file: str | None = None) -> str:
     path = os.path.join(output_dir, "metrics.jsonl")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"No metrics to plot: {path} does not exist (is {output_dir} a fusedalign output dir?).")
-    records = read_metrics(path)
-    series: dict[str, tuple[list[float], list[float]]] = {}
-    for record in records:
-        for name in CURVES:
-            key = name if name in record else f"eval_{name}" if f"eval_{name}" in record and name != "eval_loss" else None
-            if key is None or not isinstance(record.get(key), (int, float)):
-                continue
-            xs, ys = series.setdefault(key, ([], []))
-            xs.append(record["step"])
-            ys.append(record[key])
-    if not series:
-        raise ValueError(f"{path} holds no curve to draw (looked for {', '.join(CURVES)}).")
-    cols = min(3, len(series))
-    rows = math.ceil(len(series) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.2 * rows), squeeze=False)
-    for ax, (name, (xs, ys)) in zip(axes.flat, series.items()):
-        ax.plot(xs, ys, marker="." if len(xs) < 50 else None)
-        ax.set_title(name)
+    drawn = panels(read_metrics(path))
+    if not drawn:
+        raise ValueError(f"{path} holds no curve to draw (looked for {', '.join(CURVES)}, train or eval, not all zero).")
+    cols = min(3, len(drawn))
+    rows = math.ceil(len(drawn) / cols)
+    # A constrained layout keeps the figure title clear of the panels' titles.
+    fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.2 * rows + 0.4), squeeze=False, layout="constrained")
+    for ax, (title, lines) in zip(axes.flat, drawn.items()):
+        for label, series in lines.items():
+            evaluation = label.endswith("eval")
+            ax.plot(series.steps, series.values, label=label, linestyle="--" if evaluation else "-",
+                    marker="o" if evaluation or len(series.steps) < 50 else None, markersize=3)
+        ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(series):]:
+        if len(lines) > 1:
+            ax.legend(fontsize="small")
+    for ax in list(axes.flat)[len(drawn):]:
         ax.axis("off")
-    fig.suptitle(os.path.basename(os.path.abspath(output_dir)))
-    fig.tight_layout()
+    fig.suptitle(f"run: {os.path.basename(os.path.abspath(output_dir))}", x=0.01, ha="left", fontweight="bold")
+    fig.get_layout_engine().set(h_pad=0.08)
     out_file = out_file or os.path.join(output_dir, "training_curves.png")
     fig.savefig(out_file, dpi=110)
     plt.close(fig)

@@ -1,0 +1,53 @@
+"""Launch checks: an `accelerate launch` that would not run what its config asks for is refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fusedalign.errors import LaunchError
+from fusedalign.launch import accelerate_options, check_launch
+
+ROOT = Path(__file__).resolve().parents[2]
+GPU_ZERO3 = str(ROOT / "configs" / "accelerate" / "zero3.yaml")
+CPU_ZERO3 = str(ROOT / "configs" / "accelerate" / "cpu" / "zero3.yaml")
+
+
+def launch(*flags: str, config: str = GPU_ZERO3) -> list[str]:
+    return ["/venv/bin/python", "/venv/bin/accelerate", "launch", "--config_file", config, *flags,
+            "-m", "fusedalign", "dpo", "--max_steps", "3"]
+
+
+def test_launch_options_are_read_with_accelerates_parser():
+    options = accelerate_options(["python", "-m", "accelerate.commands.launch", "--config_file=x.yaml", "--cpu",
+                                  "--main_process_port", "1234", "-m", "fusedalign", "dpo", "--cpu_thing"])
+    assert options["config_file"] == "x.yaml" and options["cpu"] is True and options["num_processes"] is None
+    assert options["launch_args"] == ["--config_file=x.yaml", "--cpu", "--main_process_port", "1234"]
+    assert accelerate_options(["python", "-m", "fusedalign", "dpo"]) is None
+
+
+def test_cpu_flag_with_a_two_process_config_is_refused_naming_the_cpu_config():
+    with pytest.raises(LaunchError) as info:
+        check_launch({"ACCELERATE_USE_CPU": "True"}, launch("--cpu", "--mixed_precision", "no"), cuda_available=False)
+    message = str(info.value)
+    assert "--cpu started 1 plain process, but" in message and "asks for 2 (DEEPSPEED)" in message
+    assert "accelerate launch --config_file configs/accelerate/cpu/zero3.yaml -m fusedalign" in message
+    assert "--mixed_precision" not in message.split("instead: ", 1)[1]
+
+
+def test_gpu_config_without_a_gpu_names_the_cpu_config():
+    with pytest.raises(LaunchError, match=r"zero3\.yaml is a GPU config .* no CUDA GPU; use .*cpu/zero3\.yaml"):
+        check_launch({"WORLD_SIZE": "2"}, launch(), cuda_available=False)
+    check_launch({"WORLD_SIZE": "2"}, launch(), cuda_available=True)  # with GPUs it is what was meant
+
+
+def test_the_cpu_config_and_an_explicit_process_count_pass():
+    check_launch({"WORLD_SIZE": "2", "ACCELERATE_USE_CPU": "True"}, launch(config=CPU_ZERO3), cuda_available=False)
+    check_launch({"WORLD_SIZE": "1"}, launch("--num_processes", "1", config=CPU_ZERO3), cuda_available=False)
+    check_launch({}, ["python", "-m", "fusedalign", "dpo"], cuda_available=False)  # not launched at all
+
+
+def test_fewer_processes_than_the_config_is_refused():
+    with pytest.raises(LaunchError, match="started 1 process.* asks for 2"):
+        check_launch({"WORLD_SIZE": "1"}, launch(config=CPU_ZERO3), cuda_available=False)

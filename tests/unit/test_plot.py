@@ -1,0 +1,78 @@
+"""Training curves: which panels, which lines, and a layout whose titles do not collide."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fusedalign.plot import last_run, panels, plot_run
+
+
+def _write(tmp_path, records):
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return tmp_path
+
+
+def test_train_and_eval_of_a_metric_share_a_panel():
+    records = [{"step": 1, "loss": 0.7, "rewards/accuracies": 0.5}, {"step": 2, "loss": 0.6},
+               {"step": 2, "eval_loss": 0.65, "eval_rewards/accuracies": 0.6, "eval_runtime": 1.2}]
+    drawn = panels(records)
+    assert list(drawn) == ["loss", "rewards/accuracies"]
+    assert drawn["loss"]["train"].values == [0.7, 0.6] and drawn["loss"]["eval"].values == [0.65]
+    assert drawn["loss"]["eval"].steps == [2]
+    assert set(drawn["rewards/accuracies"]) == {"train", "eval"}
+
+
+def test_constant_zero_lines_and_empty_panels_are_left_out():
+    records = [{"step": s, "kl": 0.1 * s, "eval_kl": 0.0, "entropy": 0.0} for s in (1, 2, 3)]
+    drawn = panels(records)  # KTO with a frozen reference: eval_kl is 0 throughout
+    assert list(drawn) == ["kl"] and list(drawn["kl"]) == ["train"]
+
+
+def test_grpo_metrics_are_drawn_clip_ratios_on_one_panel():
+    records = [{"step": s, "reward": 0.1 * s, "reward_std": 0.2, "kl": 0.01 * s, "entropy": 1.0,
+                "completions/mean_length": 30.0 + s, "clip_ratio/low_mean": 0.0, "clip_ratio/high_mean": 0.01 * s,
+                "clip_ratio/region_mean": 0.02, "rewards/accuracy_reward/mean": 0.3, "learning_rate": 1e-6}
+               for s in (1, 2)]
+    drawn = panels(records)
+    assert list(drawn) == ["reward", "reward_std", "rewards/accuracy_reward/mean", "kl", "entropy",
+                           "completions/mean_length", "clip_ratio"]
+    assert set(drawn["clip_ratio"]) == {"high_mean train", "region_mean train"}  # low_mean never clipped
+
+
+def test_a_log_holding_two_appended_runs_draws_the_last():
+    first = [{"step": s, "loss": 1.0} for s in (1, 2, 3)]
+    second = [{"step": s, "loss": 0.5} for s in (1, 2)]
+    assert last_run(first + second) == second
+    assert panels(first + second)["loss"]["train"].steps == [1, 2]
+
+
+def test_figure_title_clears_every_panel_title(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [{"step": s, "loss": 1 / s, "rewards/accuracies": s / 10, "rewards/margins": s / 5,
+                "eval_loss": 1.1 / s} for s in range(1, 6)]
+    captured = {}
+    real_close = plt.close
+    plt.close = lambda fig: captured.setdefault("fig", fig)
+    try:
+        plot_run(str(_write(tmp_path, records)))
+    finally:
+        plt.close = real_close
+    fig = captured["fig"]
+    renderer = fig.canvas.get_renderer()
+    suptitle = fig._suptitle.get_window_extent(renderer)
+    for ax in fig.axes:
+        if ax.get_title():
+            title = ax.title.get_window_extent(renderer)
+            assert not suptitle.overlaps(title) and suptitle.y0 - title.y1 >= 5, ax.get_title()
+    real_close(fig)
+
+
+def test_nothing_to_draw_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="holds no curve to draw"):
+        plot_run(str(_write(tmp_path, [{"step": 1, "eval_kl": 0.0, "learning_rate": 1e-3}])))
