@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Creates .venv with fusedalign and its test tools. Idempotent: a second run only
 # reinstalls when pyproject.toml or this script changed. Without an NVIDIA GPU it installs the CPU
-# build of PyTorch first (a bare `torch` requirement would pull a multi-GB CUDA build).
+# build of PyTorch first (a bare `torch` requirement would pull a multi-GB CUDA build), and builds
+# DeepSpeed's CPU extension once, saying so, instead of the first distributed launch doing it.
 set -euo pipefail
 self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$0")/.."
@@ -33,5 +34,13 @@ if ! $gpu && ! .venv/bin/python -c "import triton" 2>/dev/null; then
     # interpreter tests/unit/test_ops_triton.py patches for.
     pip_install "triton==3.6.0"
 fi
+if ! $gpu; then
+    # DeepSpeed compiles its CPU communication extension at its first CPU launch (0.5-4 min,
+    # silently); do it here, once, where it is expected. Torch caches it in
+    # ${TORCH_EXTENSIONS_DIR:-~/.cache/torch_extensions}/py*_cpu/deepspeed_shm_comm.
+    .venv/bin/python -m fusedalign.distributed.extensions
+fi
+# `fusedalign <command> --help` renders the real parser once and caches the text.
+.venv/bin/python -m fusedalign.cli.help
 echo "$want" > "$stamp"
 echo "fusedalign installed in .venv" >&2

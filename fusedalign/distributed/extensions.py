@@ -111,4 +111,7 @@ def build() -> None:
 
 
 if __name__ == "__main__":
+    from fusedalign.cli.noise import quiet_known_noise
+
+    quiet_known_noise()  # DeepSpeed's "Setting accelerator to CPU" is what is meant here
     build()
