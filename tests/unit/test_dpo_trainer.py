@@ -1,15 +1,23 @@
-"""DPOTrainer on a tiny model: every loss type fused = unfused, reference-free, empty batches."""
+"""DPOTrainer on a tiny model: every loss type fused = unfused, reference-free, empty batches;
+padding-free, shared-prompt and token-budget training equal padded training (losses, metrics,
+weights, evaluation, precomputed reference), length grouping, and refusals."""
 
 from __future__ import annotations
 
+import functools
+import random
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
 from datasets import Dataset
 
+from fusedalign.attention import PackedAttentionError
 from fusedalign.configs import DPOConfig
-from fusedalign.data import load_dataset_any
+from fusedalign.data import DataError, DPOCollator, load_dataset_any
+from fusedalign.data.preference_batches import dpo_row_tokens
+from fusedalign.data.samplers import LengthGroupedSampler, TokenBudgetBatchSampler, padded_tokens, plan_micro_batches
 from fusedalign.losses import DPO_LOSSES, pairwise_dpo_losses
 from fusedalign.models import load_model
 from fusedalign.trainers.dpo import DPOTrainer
@@ -160,3 +168,212 @@ def test_metrics_and_item_counts_wait_for_nothing_on_the_host(tmp_path, zen, mon
     for name, stat in stats.items():  # every DPO metric is a mean: twice the sums over twice the counts
         want = 2 * float(stat.sum.double().sum()) / (2 * float(stat.count.double().sum()))
         assert logged[name] == pytest.approx(want, rel=1e-12, abs=1e-12), name
+
+
+# ------------------------------------------------------------------ padding-free and shared-prompt rows
+
+
+def _tokens(g: random.Random, n: int) -> list[int]:
+    return [g.randrange(1, 512) for _ in range(n)]
+
+
+def _edge_rows(seed: int = 0, n: int = 16) -> Dataset:
+    """Tokenised pairs: one-token completions and prompt, no prompt, nothing to score on one
+    side, a prompt cut to max_prompt_length and completions cut to max_length, uneven lengths."""
+    g = random.Random(seed)
+    rows = [
+        dict(prompt_ids=_tokens(g, 9), chosen_ids=_tokens(g, 1), rejected_ids=_tokens(g, 1)),
+        dict(prompt_ids=_tokens(g, 1), chosen_ids=_tokens(g, 6), rejected_ids=_tokens(g, 2)),
+        dict(prompt_ids=[], chosen_ids=_tokens(g, 4), rejected_ids=_tokens(g, 7)),
+        dict(prompt_ids=_tokens(g, 5), chosen_ids=[], rejected_ids=_tokens(g, 3)),
+        dict(prompt_ids=_tokens(g, 40), chosen_ids=_tokens(g, 12), rejected_ids=_tokens(g, 30)),
+    ]
+    rows += [dict(prompt_ids=_tokens(g, g.randint(2, 30)), chosen_ids=_tokens(g, g.randint(1, 20)),
+                  rejected_ids=_tokens(g, g.randint(1, 20))) for _ in range(n - len(rows))]
+    return Dataset.from_list(rows)
+
+
+def _run(tmp_path, dataset, model=MODEL, calls: Counter | None = None, eval_dataset=None, **overrides):
+    """(logged training entries, final weights, trainer); `calls` counts the loss-aware head's paths."""
+    torch.manual_seed(0)
+    policy = load_model(model) if isinstance(model, str) else model
+    trainer = DPOTrainer(model=policy, args=_args(tmp_path, **overrides), train_dataset=dataset,
+                         eval_dataset=eval_dataset)
+    with HeadCalls() as counted:
+        trainer.train()
+    if calls is not None:
+        calls.update(counted)
+    logs = [{k: v for k, v in e.items() if k != "step"} for e in trainer.state.log_history if "loss" in e]
+    return logs, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, trainer
+
+
+def _assert_same_training(got, want, steps: int, beta: float = 0.5):
+    """Every logged value of every step (losses, rewards/*, logps/*, logits/*, entropy, accuracy,
+    num_tokens, grad_norm) and every final weight, to 1e-5.
+
+    A reward is beta times a difference of two float32 sums of size |logps| (summed in another
+    order by another layout), so its error is absolute, about beta * |logps| * 1e-7: compared
+    to 2e-6 of that scale."""
+    (got_logs, got_weights, _), (want_logs, want_weights, _) = got, want
+    assert len(got_logs) == len(want_logs) == steps
+    for g, w in zip(got_logs, want_logs):
+        assert set(g) == set(w)
+        scale = beta * max(abs(w["logps/chosen"]), abs(w["logps/rejected"]))
+        for key, value in w.items():
+            tol = 1e-6 + (2e-6 * scale if key.startswith("rewards/") else 0.0)
+            assert g[key] == pytest.approx(value, rel=1e-5, abs=tol), (key, g[key], value)
+    for key, value in want_weights.items():
+        torch.testing.assert_close(got_weights[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+@functools.lru_cache(maxsize=None)
+def _padded_baseline(model: str, data: str, tmp: str):
+    return _run(Path(tmp) / f"padded-{model}-{data}", DATA[data](), model, fused_head=False)
+
+
+DATA = {"zen": lambda: load_dataset_any("builtin:zen", "standard_preference").select(range(16)), "edge": _edge_rows}
+LAYOUTS = {"padding_free": dict(padding_free=True), "shared_prompt": dict(padding_free=True, share_prompt=True)}
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("data", sorted(DATA))
+@pytest.mark.parametrize("model", ["builtin:tiny-qwen2", "builtin:tiny-llama"])
+def test_packed_rows_train_like_padded_rows(tmp_path_factory, model, data, layout, fused):
+    """Per-step losses, every metric and the final weights of padding-free (and shared-prompt)
+    training equal the padded unfused run's; the fused head is loss-aware in every step."""
+    want = _padded_baseline(model, data, str(tmp_path_factory.getbasetemp()))
+    calls = Counter()
+    got = _run(tmp_path_factory.mktemp("packed"), DATA[data](), model, calls, fused_head=fused, **LAYOUTS[layout])
+    batch = next(iter(got[2].get_train_dataloader()))
+    assert batch["input_ids"].shape[0] == 1 and "attention_mask" not in batch  # one row, no padding
+    if data == "edge":  # a prompt cut to max_prompt_length, a completion to max_length
+        row = got[2].train_dataset[4]
+        assert (len(row["prompt_ids"]), len(row["chosen_ids"]), len(row["rejected_ids"])) == (24, 12, 24)
+    _assert_same_training(got, want, steps=2)
+    if fused:
+        _assert_loss_aware_ran(calls, steps=2)
+    else:
+        assert sum(calls.values()) == 0, calls
+
+
+def _long_rows() -> Dataset:
+    """Pairs that reach past tiny-gemma2's 64-token sliding window."""
+    g = random.Random(5)
+    return Dataset.from_list([dict(prompt_ids=_tokens(g, g.randint(40, 60)), chosen_ids=_tokens(g, g.randint(15, 30)),
+                                   rejected_ids=_tokens(g, g.randint(15, 30))) for _ in range(8)])
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_gemma2_trains_like_padded_rows_on_eager_attention_past_its_window(tmp_path, layout):
+    options = dict(max_length=96, max_prompt_length=64)
+    want = _run(tmp_path / "padded", _long_rows(), "builtin:tiny-gemma2", fused_head=False, **options)
+    assert max(len(r["prompt_ids"]) + len(r["chosen_ids"]) for r in want[2].train_dataset) > 64
+    got = _run(tmp_path / "packed", _long_rows(), "builtin:tiny-gemma2", **options, **LAYOUTS[layout])
+    assert want[2].model.config._attn_implementation == "eager"
+    _assert_same_training(got, want, steps=2)
+
+
+def _planned(rows: Dataset, budget: int, share: bool, seed: int = 0) -> list[list[int]]:
+    return TokenBudgetBatchSampler([dpo_row_tokens(r, share) for r in rows], budget, seed=seed).batches
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_token_budget_micro_batches_train_like_one_padded_batch(tmp_path, layout):
+    """Each optimizer step accumulates every micro-batch of the plan (one epoch), micro-batches
+    holding different numbers of pairs, the longest pair alone at the budget: the same steps as one
+    padded batch of all 16 pairs, however each epoch orders the micro-batches."""
+    rows, share = _edge_rows(), layout == "shared_prompt"
+    want = _run(tmp_path / "padded", rows, fused_head=False, per_device_train_batch_size=16, max_steps=3)
+    prepared = want[2].train_dataset  # the rows as truncated for training
+    budget = max(dpo_row_tokens(r, share) for r in prepared)
+    plan = _planned(prepared, budget, share)
+    tokens = [dpo_row_tokens(r, share) for r in prepared]
+    assert len(plan) >= 4 and len({len(b) for b in plan}) >= 2, plan
+    assert max(sum(tokens[i] for i in b) for b in plan) == budget
+    calls = Counter()
+    got = _run(tmp_path / "budget", rows, calls=calls, max_tokens_per_batch=budget, gradient_accumulation_steps=len(plan),
+               train_sampling_strategy="random", max_steps=3, **LAYOUTS[layout])
+    assert got[2].micro_batches.budget.batches == plan
+    _assert_same_training(got, want, steps=3)
+    _assert_loss_aware_ran(calls, steps=3 * len(plan))
+
+
+def test_token_budget_plan_is_dealt_to_the_dataloader_and_reshuffled_per_epoch(tmp_path):
+    trainer = DPOTrainer(model=load_model(MODEL), args=_args(tmp_path, padding_free=True, max_tokens_per_batch=96,
+                                                              train_sampling_strategy="random"),
+                         train_dataset=_edge_rows())
+    sampler = trainer.micro_batches.budget
+    loader = trainer.get_train_dataloader()
+    first = [batch["pair_tokens"].tolist() for batch in loader]
+    assert len(first) == len(sampler) and all(sum(b) <= 96 for b in first)
+    assert sum(len(b) for b in first) == 16  # every pair once
+    loader.set_epoch(1)
+    second = [batch["pair_tokens"].tolist() for batch in loader]
+    assert sorted(map(sorted, second)) == sorted(map(sorted, first)) and second != first
+    sequential = DPOTrainer(model=load_model(MODEL), args=_args(tmp_path, padding_free=True, max_tokens_per_batch=96),
+                            train_dataset=_edge_rows())
+    tokens = [dpo_row_tokens(r) for r in sequential.train_dataset]
+    assert list(sequential.micro_batches.budget) == plan_micro_batches(tokens, 96, range(16))  # dataset order
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_precomputed_reference_and_evaluation_in_packed_rows(tmp_path, zen, layout):
+    evaluation = load_dataset_any("builtin:zen", "standard_preference", split="test").select(range(7))
+    options = dict(eval_strategy="no", per_device_eval_batch_size=3)
+    want = _run(tmp_path / "padded", zen, fused_head=False, eval_dataset=evaluation, **options)
+    got = _run(tmp_path / "packed", zen, eval_dataset=evaluation, precompute_ref_log_probs=True, **options,
+               **LAYOUTS[layout])
+    _assert_same_training(got, want, steps=2)
+    # The store is keyed as the padded collator keys a row: one store serves either layout.
+    padded_keys = DPOCollator(0, row_keys=True)(list(got[2].train_dataset))["row_key"]
+    assert set(padded_keys.tolist()) <= set(got[2].reference_store._values)
+    want_eval, got_eval = want[2].evaluate(), got[2].evaluate()
+    assert {k for k in want_eval if "runtime" not in k and "per_second" not in k} <= set(got_eval)
+    for key, value in want_eval.items():
+        if "runtime" not in key and "per_second" not in key:
+            assert got_eval[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+
+
+def test_group_by_length_groups_padded_batches_and_trains_like_one_batch(tmp_path):
+    rows = _edge_rows()
+    grouped = _run(tmp_path / "g", rows, train_sampling_strategy="group_by_length", per_device_train_batch_size=4,
+                   gradient_accumulation_steps=4, max_steps=2)
+    whole = _run(tmp_path / "w", rows, per_device_train_batch_size=16, max_steps=2)
+    _assert_same_training(grouped, whole, steps=2)
+    trainer = grouped[2]
+    sampler = trainer._get_train_sampler()
+    lengths = [len(r["prompt_ids"]) + max(len(r["chosen_ids"]), len(r["rejected_ids"])) for r in trainer.train_dataset]
+    assert isinstance(sampler, LengthGroupedSampler) and sampler.lengths == lengths
+    batches = [b["row_index"].tolist() for b in _indexed(trainer)]
+    assert sorted(i for b in batches for i in b) == list(range(16))
+    in_order = [list(range(i, i + 4)) for i in range(0, 16, 4)]
+    assert padded_tokens(lengths, batches) < padded_tokens(lengths, in_order)
+
+
+def _indexed(trainer):
+    """The training batches, each with the dataset rows it holds (`row_index`)."""
+    trainer.train_dataset = trainer.train_dataset.add_column("row_index", list(range(len(trainer.train_dataset))))
+    return list(trainer.get_train_dataloader())
+
+
+def test_packed_rows_refuse_what_cannot_run(tmp_path):
+    with pytest.raises(ValueError, match="share_prompt.*add --padding_free true"):
+        _args(tmp_path, share_prompt=True)
+    with pytest.raises(ValueError, match="max_tokens_per_batch=64 packs whole pairs.*add --padding_free true"):
+        _args(tmp_path, max_tokens_per_batch=64)
+    with pytest.raises(ValueError, match="group_by_length.*token-budget sampler"):
+        _args(tmp_path, padding_free=True, max_tokens_per_batch=64, train_sampling_strategy="group_by_length")
+    with pytest.raises(ValueError, match="positive number of tokens"):
+        _args(tmp_path, padding_free=True, max_tokens_per_batch=0)
+    flash = load_model(MODEL)
+    flash.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(PackedAttentionError, match="share_prompt: attention implementation 'flash_attention_2'"):
+        DPOTrainer(model=flash, args=_args(tmp_path, padding_free=True, share_prompt=True), train_dataset=_edge_rows())
+    gemma = load_model("builtin:tiny-gemma2")
+    gemma.config._attn_implementation = "sdpa"
+    with pytest.raises(PackedAttentionError, match="soft-caps its attention logits.*eager or flex_attention"):
+        DPOTrainer(model=gemma, args=_args(tmp_path, padding_free=True), train_dataset=_edge_rows())
+    with pytest.raises(DataError, match=r"row \d+: \d+ tokens in a packed row, over max_tokens_per_batch=60; raise"):
+        DPOTrainer(model=load_model(MODEL), args=_args(tmp_path, padding_free=True, max_tokens_per_batch=60),
+                   train_dataset=_edge_rows())
