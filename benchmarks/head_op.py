@@ -13,13 +13,19 @@ plain logits GEMM as the yardstick:
 - peak extra memory (GPU only): the high-water mark above what was allocated before the
   call, minus the gradients it returns (every method returns the same ones);
 - error: max_i |logp_i - truth_i| / max_i |truth_i|, truth computed in float64 (chunked,
-  so it fits at GPU sizes) from the same rounded inputs.
+  so it fits at GPU sizes) from the same rounded inputs;
+- with `--batch_invariant`, each of our backends also runs as BACKEND+invariant
+  (`head_logprobs(..., batch_invariant=True)`: a row's results independent of its
+  batch-mates, what GRPO's old-policy log-probs need), and a column says whether a row's
+  log-prob is the same bit for bit alone, in the first third of the batch and in the whole
+  batch (the rows of 64 spread over the batch, no gradient).
 
 Examples:
     python benchmarks/head_op.py                       # CUDA if present, else small CPU shapes
     python benchmarks/head_op.py --device cuda --h 896 4096 --repeats 10
     python benchmarks/head_op.py --device cpu --n 256 --v 2048 --h 32 --backends torch reference
     python benchmarks/head_op.py --h 896 --pairs 8 --backends triton triton+aware liger
+    python benchmarks/head_op.py --h 896 4096 --backends triton torch --batch_invariant
 """
 
 from __future__ import annotations
@@ -62,6 +68,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--pairs", type=int, default=0,
                    help="upstream gradient from a DPO loss over this many pairs (N / 2P tokens a "
                         "sequence) instead of a random one per token; BACKEND+aware declares it to the op")
+    p.add_argument("--batch_invariant", action="store_true",
+                   help="also run each of our backends as BACKEND+invariant (batch_invariant=True), and "
+                        "check for every method whether a row's log-prob depends on its batch-mates")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     defaults = GPU_DEFAULTS if args.device.startswith("cuda") else CPU_DEFAULTS
@@ -74,16 +83,19 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.backends = ours_first + list(PEERS)
     if args.pairs and args.n % (2 * args.pairs):
         p.error(f"--n {args.n} must split into 2 x --pairs {args.pairs} sequences of equal length")
+    if args.batch_invariant:
+        ours_plain = [b for b in args.backends if b not in PEERS and "+" not in b]
+        args.backends += [f"{b}+invariant" for b in ours_plain if f"{b}+invariant" not in args.backends]
     return args
 
 
 # --------------------------------------------------------------------------- methods
 
 
-def ours(backend: str, budget_bytes: int | None = None, aware: bool = False) -> Callable:
+def ours(backend: str, budget_bytes: int | None = None, aware: bool = False, invariant: bool = False) -> Callable:
     def run(hidden, weight, labels, sequence_loss=None):
         return head_logprobs(hidden, weight, labels, backend=backend, memory_budget_bytes=budget_bytes,
-                             sequence_loss=sequence_loss if aware else None).logps
+                             sequence_loss=sequence_loss if aware else None, batch_invariant=invariant).logps
     return run
 
 
@@ -115,8 +127,9 @@ def method(name: str, device: torch.device) -> tuple[str, Callable]:
     if name == "cce":
         return "Cut Cross-Entropy", cce()
     # "triton@64": our backend with memory_budget_bytes = 64 MiB (one fp32 logits chunk);
-    # "triton+aware": the loss-aware mode (with --pairs).
+    # "triton+aware": the loss-aware mode (with --pairs); "triton+invariant": batch_invariant=True.
     name, aware = (name[: -len("+aware")], True) if name.endswith("+aware") else (name, False)
+    name, invariant = (name[: -len("+invariant")], True) if name.endswith("+invariant") else (name, False)
     name, _, mib = name.partition("@")
     budget = int(float(mib) * 2**20) if mib else None
     label = resolve_backend(name, device).name  # raises if unknown or unavailable here
@@ -125,7 +138,9 @@ def method(name: str, device: torch.device) -> tuple[str, Callable]:
         label += f" (budget {mib} MiB)"
     if aware:
         label += " loss-aware"
-    return label, ours(name, budget, aware)
+    if invariant:
+        label += " batch-invariant"
+    return label, ours(name, budget, aware, invariant)
 
 
 # --------------------------------------------------------------------------- measuring
@@ -203,6 +218,19 @@ def bench_gemm(hidden, weight, repeats, device) -> float:
     return ms
 
 
+def batch_dependence(fn, hidden, weight, labels) -> str:
+    """Whether a row's log-prob depends on its batch-mates: 64 rows spread over the batch, each
+    alone, and all of them in the first third of the batch, against the whole batch, bit for bit."""
+    n = hidden.shape[0]
+    probe = torch.linspace(0, n // 3 - 1, 64, device=hidden.device).long().unique()
+    with torch.no_grad():
+        whole = fn(hidden, weight, labels)[probe]
+        third = fn(hidden[: n // 3], weight, labels[: n // 3])[probe]
+        alone = torch.cat([fn(hidden[i:i + 1], weight, labels[i:i + 1]) for i in probe.tolist()])
+    differ = int(((alone != whole) | (third != whole)).sum())
+    return "yes" if differ == 0 else f"no ({differ} of {probe.numel()} rows differ)"
+
+
 def truth_logps(hidden, weight, labels, budget_bytes=512 * 2**20) -> torch.Tensor:
     """float64 log-probs of the labels, chunked over tokens so GPU sizes fit."""
     w = weight.detach().double()
@@ -260,29 +288,32 @@ def run_one_h(args, h: int, device: torch.device) -> None:
 
     gemm_ms = bench_gemm(hidden, weight, args.repeats, device)
     rows, notes = [], []
-    rows.append(("one logits GEMM (fwd only)", gemm_ms, None, None))
-    rows.append(("4 GEMMs (floor of a per-token op)", 4 * gemm_ms, None, None))
+    rows.append(("one logits GEMM (fwd only)", gemm_ms, None, None, None))
+    rows.append(("4 GEMMs (floor of a per-token op)", 4 * gemm_ms, None, None, None))
     if pairs is not None:
-        rows.append(("3 GEMMs (floor of a loss-aware op)", 3 * gemm_ms, None, None))
+        rows.append(("3 GEMMs (floor of a loss-aware op)", 3 * gemm_ms, None, None, None))
     for name in args.backends:
         try:
             label, fn = method(name, device)
             ms, peak, logps = bench_method(fn, hidden, weight, labels, g, args.repeats, device, pairs)
+            invariant = batch_dependence(fn, hidden, weight, labels) if args.batch_invariant else None
         except Exception as err:  # a peer not installed, no CUDA, out of memory...
             notes.append(f"- {name}: skipped ({type(err).__name__}: {str(err).splitlines()[0]})")
             fresh(device)
             continue
         err = ((logps.double() - truth).abs().max() / truth.abs().max()).item()
-        rows.append((label, ms, peak, err))
+        rows.append((label, ms, peak, err, invariant))
 
     print(f"\n### N={args.n}, V={args.v}, H={h}, {args.dtype}, {device_name(device)}, "
           f"median of {args.repeats}\n")
-    print("| method | fwd+bwd (ms) | x one GEMM | peak extra memory | max rel err of logp |")
-    print("|---|---:|---:|---:|---:|")
-    for label, ms, peak, err in rows:
+    extra = " row alone = in batch |" if args.batch_invariant else ""
+    print(f"| method | fwd+bwd (ms) | x one GEMM | peak extra memory | max rel err of logp |{extra}")
+    print("|---|---:|---:|---:|---:|" + ("---|" if extra else ""))
+    for label, ms, peak, err, invariant in rows:
         mem = "—" if err is None else fmt_bytes(peak)
         e = "—" if err is None else f"{err:.1e}"
-        print(f"| {label} | {ms:.2f} | {ms / gemm_ms:.1f} | {mem} | {e} |")
+        same = f" {invariant or '—'} |" if extra else ""
+        print(f"| {label} | {ms:.2f} | {ms / gemm_ms:.1f} | {mem} | {e} |{same}")
     if notes:
         print("\n" + "\n".join(notes))
 

@@ -36,6 +36,7 @@ def head_logprobs(
     backend: str = "auto",
     sequence_loss: SequenceLoss | None = None,
     block_budget_bytes: int | None = None,
+    batch_invariant: bool = False,
 ) -> HeadOutput:
     """Per-token log-probabilities of `labels` under the output head, without N x V logits.
 
@@ -93,6 +94,13 @@ def head_logprobs(
         block_budget_bytes: bytes for one block's logits in the loss-aware mode (default
             4 GiB on CUDA, 256 MiB elsewhere). Peak extra memory is that block plus fp32
             [N, H] and [V, H] gradients held from forward to backward.
+        batch_invariant: make each row's results (log-prob and statistics) bit for bit
+            independent of the other rows of the call, as GRPO needs when it scores the
+            same completions in different batches: every backend then computes in shapes
+            that do not depend on N (`ops/invariant.py`: chunks / row blocks of a fixed
+            number of rows, the last one padded; fixed vocabulary chunk widths). Costs
+            the padding of the last chunk. Gradients are not made invariant. Refused with
+            `sequence_loss` (its blocks follow the batch's groups).
 
     Returns:
         HeadOutput with `logps` [N] float32 and the requested statistics ([N] float32, or
@@ -122,6 +130,11 @@ def head_logprobs(
                 "SequenceLoss is a function of the sequences' log-prob sums alone, and a loss that also "
                 "takes the entropy is not; pass sequence_loss=None for the per-token op"
             )
+        if batch_invariant:
+            raise ValueError(
+                "head_logprobs: sequence_loss and batch_invariant=True cannot be combined: the loss-aware "
+                "mode takes blocks of whole groups, whose shapes follow the batch; pass sequence_loss=None"
+            )
     any_scored = rows.numel() > 0
     if rows.numel() == labels.shape[0]:
         rows = None  # nothing to skip: the backend sees every row
@@ -142,7 +155,8 @@ def head_logprobs(
         entropy_grad=bool(entropy_grad),
         logit_mean=bool(logit_mean),
         argmax=bool(argmax),
-        chunk_rows=resolve_chunk_rows(n, v, hidden.device, chunk_size, memory_budget_bytes),
+        batch_invariant=bool(batch_invariant),
+        chunk_rows=resolve_chunk_rows(n, v, hidden.device, chunk_size, memory_budget_bytes, bool(batch_invariant)),
     )
     out = None
     wants_grad = torch.is_grad_enabled() and any(

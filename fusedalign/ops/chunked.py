@@ -37,6 +37,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from fusedalign.ops.blocks import BlockForward, BlockMath
+from fusedalign.ops import invariant
 from fusedalign.ops.gemm import wide_mm
 from fusedalign.ops.options import HeadOptions, HeadOutput, LowRank, compute_dtype
 from fusedalign.ops.registry import Backend, register_backend
@@ -69,7 +70,7 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
         # Autocast is resolved by the caller (api.py casts the inputs); inside, the
         # softmax must stay in fp32 whatever autocast would choose.
         with torch.autocast(hidden.device.type, enabled=False):
-            out = _forward(hidden, weight, labels, bias, down, up, opts)
+            out = (_forward_invariant if opts.batch_invariant else _forward)(hidden, weight, labels, bias, down, up, opts)
         entropy = out[1] if opts.entropy_grad else None
         ctx.save_for_backward(hidden, weight, labels, bias, down, up, out[-1], entropy)
         ctx.opts = opts
@@ -129,10 +130,55 @@ def _forward(hidden, weight, labels, bias, down, up, opts: HeadOptions):
     return logps, entropy, mean, match, lse
 
 
-def _chunk_forward(y: Tensor, safe: Tensor, valid: Tensor, opts: HeadOptions):
+def _forward_invariant(hidden, weight, labels, bias, down, up, opts: HeadOptions):
+    """`_forward` of `batch_invariant` (`ops/invariant.py`): each row's results its own.
+
+    Every chunk is exactly R = chunk_rows rows (the last one padded with zero rows), its
+    GEMMs reduce over H (and r) zero-padded to a multiple of 16 from fresh buffers, and its
+    softmax runs over rows padded to a multiple of 64 columns at PAD_LOGIT: one shape and
+    one alignment for every row whatever N is.
+    """
+    n, dev = hidden.shape[0], hidden.device
+    cdt, rows, v = compute_dtype(hidden.dtype), opts.chunk_rows, weight.shape[0]
+    valid = labels != opts.ignore_index
+    safe = labels.masked_fill(~valid, 0)
+    w_k, up_k = invariant.k_padded(weight), None if up is None else invariant.k_padded(up)
+    h_buf = hidden.new_zeros(rows, w_k.shape[1])
+    d_buf = None if down is None else down.new_zeros(rows, up_k.shape[1])
+    y = torch.empty(rows, invariant.round_up(v, invariant.COL_MULTIPLE), dtype=cdt, device=dev)
+    y[:, v:] = invariant.PAD_LOGIT
+    pad_safe, pad_valid = safe.new_zeros(rows), valid.new_zeros(rows)
+    outs = [torch.zeros(n, dtype=cdt, device=dev), torch.empty(n, dtype=cdt, device=dev)]  # logps, lse
+    outs += [torch.empty(n, dtype=t, device=dev) if wanted else None
+             for t, wanted in ((cdt, opts.entropy), (cdt, opts.logit_mean), (torch.bool, opts.argmax))]
+    for start in range(0, n, rows):
+        sl, k = slice(start, start + rows), min(rows, n - start)
+        z = y[:, :v]  # the real columns, in place
+        z.copy_(torch.mm(invariant.rows_into(h_buf, hidden[sl]), w_k.t()))  # [R, Hp] @ [Hp, V]
+        if bias is not None:
+            z.add_(bias.to(cdt))
+        if down is not None:
+            z.add_(torch.mm(invariant.rows_into(d_buf, down[sl]), up_k.t()).to(cdt), alpha=opts.low_rank_scale)
+        if opts.logit_scale != 1.0:
+            z.mul_(opts.logit_scale)
+        if opts.softcap is not None:
+            z.div_(opts.softcap).tanh_().mul_(opts.softcap)
+        if opts.temperature != 1.0:
+            z.div_(opts.temperature)
+        chunk = _chunk_forward(y, invariant.rows_into(pad_safe[:, None], safe[sl, None]).squeeze(1),
+                               invariant.rows_into(pad_valid[:, None], valid[sl, None]).squeeze(1), opts, width=v)
+        for dst, val in zip((outs[0], outs[1], outs[2], outs[3], outs[4]), chunk):
+            if dst is not None:
+                dst[sl] = val[:k]
+    logps, lse, entropy, mean, match = outs
+    return logps, entropy, mean, match, lse
+
+
+def _chunk_forward(y: Tensor, safe: Tensor, valid: Tensor, opts: HeadOptions, width: int | None = None):
     """(logps, lse, entropy, logit_mean, argmax_match) of one chunk's y = z / T [n, V].
 
-    Statistics are None unless requested; y is read, never written.
+    Statistics are None unless requested; y is read, never written. `width`: the real
+    columns of a y padded at PAD_LOGIT beyond them (batch-invariant mode); None: all.
     """
     T = opts.temperature
     m = y.amax(dim=1, keepdim=True)  # [n, 1]: shift so exp never overflows
@@ -150,7 +196,10 @@ def _chunk_forward(y: Tensor, safe: Tensor, valid: Tensor, opts: HeadOptions):
     lse = m.squeeze(1) + s.log()
     target = y.gather(1, safe[:, None]).squeeze(1)
     logps = torch.where(valid, target - lse, 0.0)
-    mean = y.mean(dim=1) * T if opts.logit_mean else None
+    if opts.logit_mean:
+        mean = (y.mean(dim=1) if width is None else y[:, :width].sum(dim=1) / width) * T
+    else:
+        mean = None
     # argmax of z equals argmax of z / T because T > 0.
     match = (y.argmax(dim=1) == safe) & valid if opts.argmax else None
     return logps, lse, entropy, mean, match

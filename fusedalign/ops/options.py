@@ -13,6 +13,8 @@ from typing import Callable, NamedTuple
 import torch
 from torch import Tensor
 
+from fusedalign.ops import invariant
+
 # Default size of ONE fp32 logits chunk [rows, V]. Peak working memory of the chunked
 # backend is a small multiple of it (the chunk's logits, its probabilities / gradient,
 # and a copy in the input dtype for the gradient GEMMs). On CUDA 256 MiB keeps the GEMMs
@@ -112,6 +114,8 @@ class HeadOptions:
     entropy_grad: bool = False  # implies entropy
     logit_mean: bool = False
     argmax: bool = False
+    # Each row's results independent of the other rows of the call (`ops/invariant.py`).
+    batch_invariant: bool = False
     chunk_rows: int = 1  # tokens per chunk; resolved from the budget before dispatch
 
 
@@ -126,6 +130,7 @@ def resolve_chunk_rows(
     device: torch.device,
     chunk_size: int | None = None,
     memory_budget_bytes: int | None = None,
+    batch_invariant: bool = False,
 ) -> int:
     """Number of tokens per chunk.
 
@@ -135,10 +140,18 @@ def resolve_chunk_rows(
         device: where the op runs (picks the default budget).
         chunk_size: explicit rows per chunk; wins over the budget.
         memory_budget_bytes: bytes allowed for one fp32 logits chunk [rows, V].
+        batch_invariant: never depend on n (every chunk then has exactly this many rows,
+            padded): the budget's rows, at most `invariant.MAX_ROWS`, rounded up to a
+            multiple of `invariant.ROW_MULTIPLE` (an explicit chunk_size too).
 
     Returns:
         rows per chunk, >= 1.
     """
+    if batch_invariant:
+        rows = resolve_chunk_rows(1 << 62, v, device, chunk_size, memory_budget_bytes)  # as if N were unbounded
+        if chunk_size is None:
+            rows = min(rows, invariant.MAX_ROWS)
+        return invariant.round_up(rows, invariant.ROW_MULTIPLE)
     if chunk_size is not None:
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")

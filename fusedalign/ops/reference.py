@@ -7,6 +7,8 @@ training should never use it (it allocates several N x V tensors).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import Tensor
 
@@ -18,7 +20,22 @@ def unfused_head_logprobs(
     hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None,
     low_rank: LowRank | None, opts: HeadOptions,
 ) -> HeadOutput:
-    """The "reference" backend. Inputs are validated by `head_logprobs`; shapes as there."""
+    """The "reference" backend. Inputs are validated by `head_logprobs`; shapes as there.
+
+    With `batch_invariant` it runs each row as a call of its own (a fresh copy of the row:
+    one shape and one alignment whatever the batch), and concatenates the results.
+    """
+    if opts.batch_invariant and hidden.shape[0] > 1:
+        one = replace(opts, batch_invariant=False)
+        parts = [
+            unfused_head_logprobs(
+                hidden[i:i + 1].clone(), weight, labels[i:i + 1], bias,
+                None if low_rank is None else low_rank._replace(down=low_rank.down[i:i + 1].clone()), one,
+            )
+            for i in range(hidden.shape[0])
+        ]
+        cat = lambda name: None if getattr(parts[0], name) is None else torch.cat([getattr(p, name) for p in parts])  # noqa: E731
+        return HeadOutput(cat("logps"), cat("entropy"), cat("logit_mean"), cat("argmax_match"), backend="reference")
     cdt = compute_dtype(hidden.dtype)
     # The GEMMs run in the input dtype and are upcast afterwards, as in every backend.
     a = (hidden @ weight.t()).to(cdt)  # [N, H] @ [H, V]

@@ -34,6 +34,11 @@ V x H accumulator (0.5 GiB at Qwen2.5-0.5B's shape), which at such N is smaller 
 N x H one it replaces. The backward's two regimes are two functions behind one dispatcher
 (`_backward`): `_backward_one_block` and `_backward_row_blocks`, sharing the chunk loop
 `_block_chunks`.
+
+Batch-invariant mode (`ops/invariant.py`): chunk widths and row blocks above follow N, so a
+row's bf16 log-prob depends on its batch-mates. With `batch_invariant` both come from the
+budget and V alone (`invariant_shape`), and the forward pads every block to its full rows
+(`_forward_invariant`); the backward takes the same blocks, unpadded.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ import triton  # noqa: F401  (ImportError here = backend unavailable, reported b
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from fusedalign.ops import invariant
 from fusedalign.ops.blocks import BlockForward, BlockMath
 from fusedalign.ops.gemm import HALF as _HALF
 from fusedalign.ops.gemm import accumulate_mm, wide_mm
@@ -73,8 +79,28 @@ COL_ALIGN = 256
 MIN_COLS = 1024
 
 
+# Batch-invariant mode: rows of a block when the budget allows (`invariant_shape`).
+INVARIANT_ROWS = 8192
+
+
+def invariant_shape(v: int, opts: HeadOptions) -> tuple[int, int]:
+    """(rows, columns) of every chunk in batch-invariant mode, from the budget and V alone.
+
+    About INVARIANT_ROWS rows by at least MIN_COLS (or V) columns, as many logits as the
+    budget's chunk_rows x V; rows a multiple of `invariant.ROW_MULTIPLE`.
+    """
+    logits = opts.chunk_rows * v
+    cols = min(v, max(min(MIN_COLS, v), logits // INVARIANT_ROWS))
+    if cols < v and cols >= 2 * COL_ALIGN:
+        cols -= cols % COL_ALIGN
+    step = invariant.ROW_MULTIPLE
+    return max(step, logits // cols // step * step), cols
+
+
 def chunk_cols(n: int, v: int, opts: HeadOptions) -> int:
     """Vocabulary columns per chunk: chunk_rows x V logits laid out as [N, C]."""
+    if opts.batch_invariant:
+        return invariant_shape(v, opts)[1]
     cols = opts.chunk_rows * v // max(n, 1)
     if cols >= v:
         return v
@@ -86,6 +112,9 @@ def chunk_cols(n: int, v: int, opts: HeadOptions) -> int:
 def row_blocks(n: int, v: int, opts: HeadOptions) -> list[tuple[int, int]]:
     """Row ranges [r0, r1) taken one after another: one block unless the budget would leave
     chunks narrower than MIN_COLS (or V) columns at n rows; then equal blocks that don't."""
+    if opts.batch_invariant:  # fixed blocks (the forward pads the last one)
+        rows = invariant_shape(v, opts)[0]
+        return [(r0, min(r0 + rows, n)) for r0 in range(0, n, rows)] or [(0, 0)]
     width = min(MIN_COLS, v)
     budget = opts.chunk_rows * v  # logits per chunk
     if n == 0 or budget // n >= width:
@@ -110,8 +139,9 @@ class _TritonHeadLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, bias, down, up, opts: HeadOptions):
+        forward = _forward_invariant if opts.batch_invariant and hidden.shape[0] > 0 else _forward
         with torch.autocast(hidden.device.type, enabled=False), on_device(hidden):
-            logps, entropy, mean, match, lse2 = _forward(hidden, weight, labels, bias, down, up, opts)
+            logps, entropy, mean, match, lse2 = forward(hidden, weight, labels, bias, down, up, opts)
         kept = entropy if opts.entropy_grad else None
         ctx.save_for_backward(hidden, weight, labels, bias, down, up, lse2, kept)
         ctx.opts = opts
@@ -171,6 +201,37 @@ def _forward(hidden, weight, labels, bias, down, up, opts: HeadOptions):
                 fold(x, lx if down is not None else None, bias, lab[r0:r1], s_b, c0, opts, config)
         del buffers
     return finish(state, valid, labels, v, opts)
+
+
+def _forward_invariant(hidden, weight, labels, bias, down, up, opts: HeadOptions):
+    """`_forward` of `batch_invariant` (`ops/invariant.py`): each row's results its own.
+
+    Every block is exactly `rows` rows (the last one padded with zero rows, label -1) and
+    every chunk `cols` columns (`invariant_shape`: from the budget and V, not N); the GEMMs
+    read H (and r) zero-padded to a multiple of 16 from fresh buffers, so each cuBLAS call
+    and each kernel launch has one shape whatever N is.
+    """
+    n, v, dev = hidden.shape[0], weight.shape[0], hidden.device
+    rows, cols = invariant_shape(v, opts)
+    valid = labels != opts.ignore_index
+    lab = torch.full((invariant.round_up(n, rows),), -1, dtype=torch.int32, device=dev)
+    lab[:n] = torch.where(valid, labels, -1)
+    state = new_state(lab.shape[0], opts, dev, lab)
+    w_k, up_k = invariant.k_padded(weight), None if up is None else invariant.k_padded(up)
+    h_buf = hidden.new_zeros(rows, w_k.shape[1])
+    d_buf = None if down is None else down.new_zeros(rows, up_k.shape[1])
+    buffers = _chunk_buffers([(0, rows)], hidden, down, v, opts)
+    config = launch_shape(FWD_CONFIG, rows, cols, hidden.is_cuda)
+    for r0 in range(0, n, rows):
+        h_b = invariant.rows_into(h_buf, hidden[r0:r0 + rows])
+        d_b = None if down is None else invariant.rows_into(d_buf, down[r0:r0 + rows])
+        s_b = tuple(t[r0:r0 + rows] for t in state)  # views: the kernel folds into the block's rows
+        for c0 in range(0, v, cols):
+            cl = min(cols, v - c0)
+            x, lx = _chunk_logits(*buffers, h_b, w_k, d_b, up_k, c0, cl)
+            fold(x, lx if down is not None else None, bias, lab[r0:r0 + rows], s_b, c0, opts, config)
+    del buffers
+    return finish(tuple(t[:n] for t in state), valid, labels, v, opts)
 
 
 class _RowInputs(NamedTuple):
