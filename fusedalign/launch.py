@@ -142,7 +142,7 @@ def check_launch(env: Mapping[str, str] | None = None, argv: Sequence[str] | Non
         raise LaunchError(f"accelerate launch started {started} process(es) but {config_file} asks for {asked} "
                           f"({kind}); launch it as: {right}")
     if not config.get("use_cpu") and not options.get("cpu") and not _cuda(cuda_available):
-        where = f"use {twin}" if twin else "use a config with use_cpu: true and mixed_precision: 'no'"
+        where = f"use {os.path.relpath(twin)}" if twin else "use a config with use_cpu: true and mixed_precision: 'no'"
         raise LaunchError(
             f"{config_file} is a GPU config (use_cpu: false, mixed_precision: {config.get('mixed_precision')}) "
             f"and this machine has no CUDA GPU; {where}: {right}"

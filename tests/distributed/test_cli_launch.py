@@ -63,3 +63,77 @@ def test_zero3_refuses_compiled_layers_with_a_clear_error(tmp_path):
     assert proc.returncode != 0
     assert "not supported under DeepSpeed ZeRO-3" in proc.stderr + proc.stdout, proc.stderr[-3000:]
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+# ------------------------------------------------------------------------- issue 19
+
+
+def _launch(args, out, timeout=900):
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(_free_port()), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(cmd + ["--output_dir", str(out)], cwd=str(ROOT), env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _readme_reproducer() -> list[str]:
+    """The README's ZeRO-3 reproducer, after `accelerate launch`, without its --output_dir."""
+    import shlex
+
+    text = (ROOT / "README.md").read_text()
+    block = text.split("The reproducer of the ZeRO-3 crash", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    tokens = shlex.split(block.replace("\\\n", " "))
+    assert tokens[:2] == ["accelerate", "launch"], tokens
+    i = tokens.index("--output_dir")
+    return tokens[2:i] + tokens[i + 2:]
+
+
+def test_readme_zero3_reproducer_trains_and_is_quiet(tmp_path):
+    proc = _launch(_readme_reproducer(), tmp_path / "repro")
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    losses = [r["loss"] for r in map(json.loads, (tmp_path / "repro" / "metrics.jsonl").read_text().splitlines())
+              if "loss" in r]
+    assert len(losses) >= 3 and losses[0] == pytest.approx(0.6931, abs=1e-3)
+    assert losses[-1] < losses[0] - 0.01, losses  # it trains (at TRL's 1e-6 every step logged 0.6931)
+    log = proc.stdout + proc.stderr
+    assert "FutureWarning" not in log and "built successfully" not in log
+    assert log.count("Setting accelerator to CPU") <= 1  # the launcher's own; the training processes say nothing
+
+
+@pytest.mark.parametrize("launch_flags,expected", [
+    (["--config_file", "configs/accelerate/zero3.yaml", "--cpu", "--mixed_precision", "no"],
+     "--cpu started 1 plain process, but configs/accelerate/zero3.yaml asks for 2"),
+    (["--config_file", "configs/accelerate/ddp.yaml"], "configs/accelerate/ddp.yaml is a GPU config"),
+])
+def test_a_launch_that_would_not_run_its_config_is_refused(tmp_path, launch_flags, expected):
+    if torch.cuda.is_available():
+        pytest.skip("a machine with GPUs runs these configs as they are")
+    proc = _launch([*launch_flags, "-m", "fusedalign", "dpo", "--max_steps", "1"], tmp_path / "out", timeout=300)
+    assert proc.returncode != 0
+    assert expected in proc.stderr and "configs/accelerate/cpu/" in proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+def test_fsdp2_checkpoint_consolidates_to_the_final_model(tmp_path):
+    """checkpoint-2 of a 2-step FSDP2 run, consolidated, equals the whole model saved at the end."""
+    out = tmp_path / "fsdp2"
+    args = ["--config_file", str(CPU_CONFIGS / "fsdp2.yaml"), "-m", "fusedalign", "dpo", "--model_name_or_path",
+            "builtin:tiny-qwen2", "--dataset_name", "builtin:zen", "--dataset_config", "standard_preference",
+            "--max_steps", "2", "--save_steps", "2", "--learning_rate", "1e-3", "--per_device_train_batch_size", "4"]
+    proc = _launch(args, out)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert "returned a view tensor" not in proc.stderr  # FSDP2's in-place-on-a-view warning (the head's output)
+    checkpoint = out / "checkpoint-2"
+    assert (checkpoint / "pytorch_model_fsdp_0").is_dir() and not (checkpoint / "model.safetensors").exists()
+    done = subprocess.run([sys.executable, "-m", "fusedalign", "consolidate", str(checkpoint)], cwd=str(ROOT),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint))
+    AutoTokenizer.from_pretrained(str(checkpoint))
+    final = load_file(str(out / "model.safetensors"))
+    initial = load_file(str(ROOT / "fusedalign" / "resources" / "models" / "tiny-qwen2" / "model.safetensors"))
+    params = dict(model.named_parameters())
+    assert set(final) <= set(params) and any(not torch.equal(final[k], initial[k]) for k in final)
+    for key, value in final.items():
+        torch.testing.assert_close(params[key].detach(), value, rtol=0, atol=0, msg=key)

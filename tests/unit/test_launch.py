@@ -51,3 +51,30 @@ def test_the_cpu_config_and_an_explicit_process_count_pass():
 def test_fewer_processes_than_the_config_is_refused():
     with pytest.raises(LaunchError, match="started 1 process.* asks for 2"):
         check_launch({"WORLD_SIZE": "1"}, launch(config=CPU_ZERO3), cuda_available=False)
+
+
+# ----------------------------------------------------- DeepSpeed's CPU extension (item 6)
+
+
+def test_deepspeed_cpu_build_is_announced_before_it_starts(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("deepspeed")
+    from fusedalign.distributed import extensions
+
+    monkeypatch.setattr(extensions, "build_directory", lambda: tmp_path / "deepspeed_shm_comm")  # nothing built there
+    assert extensions.needs_build()
+    extensions.announce(is_main=False)
+    assert capsys.readouterr().err == ""
+    extensions.announce(is_main=True)
+    err = capsys.readouterr().err
+    assert "compiling its shared-memory communication extension (deepspeed_shm_comm)" in err
+    assert "0.5-4 minutes" in err and str(tmp_path) in err and "scripts/setup.sh" in err
+
+
+def test_only_deepspeeds_build_report_line_is_dropped(capsys):
+    from fusedalign.distributed.extensions import BUILT_LINE, quiet_build_report
+
+    with quiet_build_report():
+        print(BUILT_LINE)
+        print("DeepSpeed says something else")
+        print("partial", end="")
+    assert capsys.readouterr().out == "DeepSpeed says something else\npartial"
