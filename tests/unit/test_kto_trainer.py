@@ -1,5 +1,7 @@
 """KTOTrainer on a tiny model: fused = unfused, any split of the step trains the same,
-reference modes, z0 and the loss against a hand computation, one-class batches, bad input."""
+reference modes, z0 and the loss against a hand computation, one-class batches, bad input;
+padding-free, shared-prompt (the reference's joint row) and token-budget training equal padded
+training (every logged value, weights, evaluation, precomputed reference)."""
 
 from __future__ import annotations
 
@@ -10,11 +12,14 @@ import pytest
 import torch
 from datasets import Dataset
 
+from fusedalign.attention import PackedAttentionError
 from fusedalign.configs import KTOConfig
 from fusedalign.data import DataError, load_dataset_any, position_labels
+from fusedalign.data.kto import KLPairCollator, kl_partners
+from fusedalign.data.preference_batches import kto_row_tokens
+from fusedalign.data.samplers import TokenBudgetBatchSampler
 from fusedalign.head import token_logprobs
 from fusedalign.models import load_model, load_tokenizer
-from fusedalign.data.kto import kl_partners
 from fusedalign.trainers.kto import KTOTrainer
 
 MODEL = "builtin:tiny-qwen2"
@@ -305,3 +310,117 @@ def test_cli_demo_defaults(tmp_path):
     assert (model.model_name_or_path, script.dataset_name, script.dataset_config) == (
         "builtin:tiny-qwen2", "builtin:zen", "standard_unpaired_preference")
     assert args.eval_strategy == "epoch" and args.loss_type == "kto"
+
+
+# ------------------------------------------------------------------ padding-free and shared-prompt rows
+
+
+LAYOUTS = {"padding_free": dict(padding_free=True), "shared_prompt": dict(padding_free=True, share_prompt=True)}
+
+
+def _logs(trainer) -> list[dict]:
+    return [{k: v for k, v in e.items() if k != "step"} for e in trainer.state.log_history if "loss" in e]
+
+
+def _assert_same_logs(got, want, steps: int = 3, beta: float = 0.5):
+    """Every logged value of every step (losses, kl, rewards/*, logps/*, logits/*, entropy, counts,
+    num_tokens, grad_norm), and the final weights, to 1e-5. Rewards and z0 are beta times
+    differences of float32 sums of size |logps|: compared to 2e-6 of that scale."""
+    got_logs, want_logs = _logs(got[0]), _logs(want[0])
+    assert len(got_logs) == len(want_logs) == steps
+    for g, w in zip(got_logs, want_logs):
+        assert set(g) == set(w)
+        scale = beta * max(abs(w["logps/chosen"]), abs(w["logps/rejected"]))
+        for key, value in w.items():
+            tol = 1e-6 + (2e-6 * scale if key.startswith("rewards/") or key == "kl" else 0.0)
+            assert g[key] == pytest.approx(value, rel=1e-5, abs=tol), (key, g[key], value)
+    for name, value in want[3].items():
+        torch.testing.assert_close(got[3][name], value, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.fixture(scope="module")
+def llama_baseline(tmp_path_factory, zen):
+    """tiny-llama as the policy, tiny-qwen2 (same tokenizer) as its reference: z0 > 0 from step 1."""
+    return _train(load_model("builtin:tiny-llama"), _args(tmp_path_factory.mktemp("llama"), fused_head=False), zen,
+                  ref_model=load_model(MODEL))
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_packed_rows_train_like_padded_rows(tmp_path, zen, warm_state, baseline, layout, fused):
+    """Completions, KL partners and the reference's joint row packed (the prompt shared there with
+    share_prompt): per-step losses, z0, every metric and the final weights equal the padded run's."""
+    got = _train(_policy(warm_state), _args(tmp_path, fused_head=fused, **LAYOUTS[layout]), zen)
+    batch = _first_batch(got[0])
+    assert batch["input_ids"].shape[0] == batch["kl_input_ids"].shape[0] == batch["joint_input_ids"].shape[0] == 1
+    joint = batch["joint_input_ids"].shape[1]
+    unshared = batch["input_ids"].shape[1] + batch["kl_input_ids"].shape[1]
+    assert joint < unshared if layout == "shared_prompt" else joint == unshared
+    assert max(baseline[2]) > 0  # z0 is live
+    _assert_same_logs(got, baseline)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_packed_rows_train_like_padded_rows_on_llama(tmp_path, zen, llama_baseline, layout):
+    got = _train(load_model("builtin:tiny-llama"), _args(tmp_path, **LAYOUTS[layout]), zen, ref_model=load_model(MODEL))
+    assert max(llama_baseline[2]) > 0
+    _assert_same_logs(got, llama_baseline)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_token_budget_micro_batches_train_like_one_padded_batch(tmp_path, zen, warm_state, layout):
+    """Every micro-batch of the plan in one step (an example with its KL partner never split, z0 over
+    the step), micro-batches of different sizes: the steps of one padded batch of all 24 rows."""
+    want = _train(_policy(warm_state), _args(tmp_path / "padded", per_device_train_batch_size=ROWS), zen)
+    share = layout == "shared_prompt"
+    tokens = [kto_row_tokens(r, share) for r in want[0].train_dataset]
+    budget = 2 * max(tokens) - 1  # the longest example and any shorter one, but never two of the longest
+    plan = TokenBudgetBatchSampler(tokens, budget, seed=0).batches
+    assert len(plan) >= 4 and len({len(b) for b in plan}) >= 2, plan
+    got = _train(_policy(warm_state), _args(tmp_path / "budget", max_tokens_per_batch=budget, per_device_train_batch_size=1,
+                                            gradient_accumulation_steps=len(plan), train_sampling_strategy="random",
+                                            **LAYOUTS[layout]), zen)
+    assert got[0].micro_batches.budget.batches == plan
+    _assert_same_logs(got, want)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_precomputed_reference_and_evaluation_in_packed_rows(tmp_path, zen, warm_state, baseline, layout):
+    evaluation = load_dataset_any("builtin:zen", "standard_unpaired_preference", split="test").select(range(7))
+    got = _train(_policy(warm_state), _args(tmp_path, precompute_ref_log_probs=True, per_device_eval_batch_size=3,
+                                            **LAYOUTS[layout]), zen, eval_dataset=evaluation)
+    _assert_same_logs(got, baseline)
+    padded_keys = KLPairCollator(0, row_keys=True)(list(got[0].train_dataset))["row_key"]
+    assert got[0].reference_store.table.shape == (ROWS + 7, 2)  # training and evaluation rows
+    assert set(padded_keys.tolist()) <= set(got[0].reference_store._values)  # one store for either layout
+    want = KTOTrainer(_policy(warm_state), args=_args(tmp_path / "e", per_device_eval_batch_size=3), train_dataset=zen,
+                      eval_dataset=evaluation)
+    want.model.load_state_dict(got[0].model.state_dict())
+    want_eval, got_eval = want.evaluate(), got[0].evaluate()
+    timing = ("runtime", "per_second", "preparation_time")
+    compared = [k for k in want_eval if not any(t in k for t in timing) and k != "epoch"]  # `want` did not train
+    assert "eval_kl" in compared and "eval_rewards/chosen" in compared
+    for key in compared:
+        assert got_eval[key] == pytest.approx(want_eval[key], rel=1e-5, abs=1e-5), key
+
+
+def test_packed_rows_without_kl_pairs(tmp_path, zen, warm_state):
+    args = dict(loss_type="apo_zero_unpaired")
+    want = _train(_policy(warm_state), _args(tmp_path / "padded", **args), zen)
+    got = _train(_policy(warm_state), _args(tmp_path / "packed", padding_free=True, share_prompt=True, **args), zen)
+    assert "kl_input_ids" not in _first_batch(got[0])
+    _assert_same_logs(got, want)
+
+
+def test_packed_rows_refuse_what_cannot_run(tmp_path, zen):
+    with pytest.raises(ValueError, match="max_tokens_per_batch=64 packs whole examples.*add --padding_free true"):
+        _args(tmp_path, max_tokens_per_batch=64)
+    flash = _policy()
+    flash.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(PackedAttentionError, match="share_prompt: attention implementation 'flash_attention_2'"):
+        KTOTrainer(flash, args=_args(tmp_path, padding_free=True, share_prompt=True), train_dataset=zen)
+    with pytest.raises(DataError, match=r"row \d+: \d+ tokens in a packed row, over max_tokens_per_batch=20"):
+        KTOTrainer(_policy(), args=_args(tmp_path, padding_free=True, max_tokens_per_batch=20), train_dataset=zen)
+    # A budget fills micro-batches with as many examples as fit: a per-device batch of 1 is no limit then.
+    KTOTrainer(_policy(), args=_args(tmp_path, padding_free=True, max_tokens_per_batch=512, per_device_train_batch_size=1),
+               train_dataset=zen)
