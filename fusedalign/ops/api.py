@@ -98,9 +98,10 @@ def head_logprobs(
             independent of the other rows of the call, as GRPO needs when it scores the
             same completions in different batches: every backend then computes in shapes
             that do not depend on N (`ops/invariant.py`: chunks / row blocks of a fixed
-            number of rows, the last one padded; fixed vocabulary chunk widths). Costs
-            the padding of the last chunk. Gradients are not made invariant. Refused with
-            `sequence_loss` (its blocks follow the batch's groups).
+            number of rows, the last one padded, `chunk_size` rounded up to a multiple of
+            8; fixed vocabulary chunk widths). Costs the padding of the last chunk.
+            Gradients are not made invariant. Refused with `sequence_loss` (its blocks
+            follow the batch's groups).
 
     Returns:
         HeadOutput with `logps` [N] float32 and the requested statistics ([N] float32, or
