@@ -20,6 +20,39 @@ import sys
 from fusedalign.distributed import setup_distributed, teardown_distributed
 
 
+def _packed(spec: dict) -> dict:
+    """DPO/KTO batch layout flags: padding_free, share_prompt, max_tokens_per_batch."""
+    return dict(padding_free=spec.get("padding_free", False), share_prompt=spec.get("share_prompt", False),
+                max_tokens_per_batch=spec.get("max_tokens_per_batch"))
+
+
+def budget_plan(spec: dict, world: int) -> list[list[int]]:
+    """The token-budget micro-batches of a DPO `spec` with `train_rows` and `max_tokens_per_batch`,
+    as the trainer plans them (sequential order) over `world` processes."""
+    from fusedalign.data import load_dataset_any
+    from fusedalign.data.preference_batches import dpo_row_tokens
+    from fusedalign.data.samplers import TokenBudgetBatchSampler
+    from fusedalign.data.splits import prepare_split
+    from fusedalign.models import load_tokenizer
+
+    rows = load_dataset_any("builtin:zen", "standard_preference", split="train").select(range(spec["train_rows"]))
+    rows = prepare_split("dpo", rows, load_tokenizer(spec.get("model", "builtin:tiny-qwen2")), "train",
+                         max_length=spec.get("max_length", 64), max_prompt_length=32, truncation_mode="keep_start")
+    return TokenBudgetBatchSampler([dpo_row_tokens(r, spec.get("share_prompt", False)) for r in rows],
+                                   spec["max_tokens_per_batch"], num_processes=world, shuffle=False).batches
+
+
+def _accumulation(spec: dict) -> int:
+    """`grad_accum`, or "epoch" (DPO with a token budget): every micro-batch of the plan in one
+    optimizer step, so that micro-batches holding different numbers of pairs train like one
+    padded batch of the same `train_rows` pairs."""
+    accumulation = spec.get("grad_accum", 1)
+    if accumulation != "epoch":
+        return accumulation
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return len(budget_plan(spec, world)) // world
+
+
 def build_trainer(spec: dict, out_dir: str):
     from fusedalign.data import load_dataset_any
     from fusedalign.models import load_model
@@ -28,8 +61,9 @@ def build_trainer(spec: dict, out_dir: str):
     common = dict(
         output_dir=out_dir, max_steps=spec.get("steps", 3), learning_rate=spec.get("lr", 0.1), optim="sgd",
         lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=0.0,
-        per_device_train_batch_size=spec["per_device_batch"], per_device_eval_batch_size=spec["per_device_batch"],
-        gradient_accumulation_steps=spec.get("grad_accum", 1), train_sampling_strategy="sequential",
+        per_device_train_batch_size=spec["per_device_batch"],
+        per_device_eval_batch_size=spec.get("eval_batch", spec["per_device_batch"]),
+        gradient_accumulation_steps=_accumulation(spec), train_sampling_strategy="sequential",
         logging_steps=1, save_strategy="no", seed=0, data_seed=0, fused_head=spec["fused"], report_to="none",
         dataloader_drop_last=False, max_length=spec.get("max_length", 64),
         compile_layers=spec.get("compile", False), gradient_checkpointing=spec.get("gradient_checkpointing", False),
@@ -50,7 +84,7 @@ def build_trainer(spec: dict, out_dir: str):
 
         args = DPOConfig(
             **common, beta=spec.get("beta", 0.5), loss_type=spec.get("loss_type", ["sigmoid"]),
-            max_prompt_length=32, precompute_ref_log_probs=spec.get("precompute", False),
+            max_prompt_length=32, precompute_ref_log_probs=spec.get("precompute", False), **_packed(spec),
         )
         config = spec.get("dataset_config", "standard_preference")
         trainer_cls = DPOTrainer
@@ -74,12 +108,15 @@ def build_trainer(spec: dict, out_dir: str):
             **common, beta=spec.get("beta", 0.5), loss_type=loss_type[0] if isinstance(loss_type, list) else loss_type,
             max_prompt_length=32, precompute_ref_log_probs=spec.get("precompute", False),
             ref_model_name_or_path=spec.get("ref_model"), unpair_preference=spec.get("unpair_preference", False),
+            **_packed(spec),
         )
         config = spec.get("dataset_config", "standard_unpaired_preference")
         trainer_cls = KTOTrainer
     else:
         raise ValueError(f"unknown trainer {trainer_name}")
     train = load_dataset_any("builtin:zen", config, split="train")
+    if spec.get("train_rows"):
+        train = train.select(range(spec["train_rows"]))
     evaluate = load_dataset_any("builtin:zen", config, split="test") if spec.get("evaluate") else None
     if evaluate is not None and spec.get("eval_rows"):
         evaluate = evaluate.select(range(spec["eval_rows"]))

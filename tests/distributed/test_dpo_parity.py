@@ -4,7 +4,8 @@ Each backend is launched once with `accelerate launch`; several scenarios train 
 after another in the same processes. Every scenario trains 3 SGD steps in fp32 over the
 same global batches (2 ranks x 2 pairs against 1 process x 4 pairs, sequential order)
 and must reproduce the per-step losses, evaluation metrics and final weights of the
-single-process unfused baseline to 1e-5 relative.
+single-process unfused baseline to 1e-5 relative: padded rows, and padding-free rows with
+the prompt computed once (`padding_free`, `share_prompt`), also by token budget.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from __future__ import annotations
 import pytest
 from safetensors.torch import load_file
 
-from tests.distributed.parity import BACKENDS, ROOT, assert_same_training, assert_weights_changed, lazy_runs, uneven_eval, weights
+from tests.distributed.parity import (
+    BACKENDS, ROOT, assert_same_training, assert_weights_changed, lazy_runs, result, uneven_eval, weights,
+)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -29,17 +32,32 @@ BASELINE = [
     {**DPO, "name": "compiled", "fused": True, "per_device_batch": 4, "compile": True, "evaluate": True},
     {**DPO, "name": "checkpointed", "fused": True, "per_device_batch": 4, "gradient_checkpointing": True},
     {**DPO, "name": "lora_compiled", "fused": True, "per_device_batch": 4, "peft": True, "compile": True},
+    # The 8 first pairs in one padded batch a step: what the token-budget scenario must equal.
+    {**DPO, "name": "rows8", "fused": False, "per_device_batch": 8, "train_rows": 8},
 ]
 
+# Padding-free rows with the prompt computed once (one row of 2 pairs a rank), fused (the loss-aware
+# head, per-sequence segments) and unfused.
+PACKED = {"padding_free": True, "share_prompt": True}
+# One step, then evaluation of 27 rows: 2 ranks x 2 leave a last batch that accelerate evens out by
+# repeating a row, which the per-pair metrics must drop (the one-process run has none to drop).
+ODD_EVAL = {**DPO, **PACKED, "name": "odd_eval_packed", "fused": True, "evaluate": True, "eval_rows": 27, "steps": 1}
+BASELINE.append({**ODD_EVAL, "per_device_batch": 4})
 # Per backend: (scenario spec, baseline it must equal). 2 processes x 2 pairs per step.
 _common = [
     ({**DPO, "name": "fused", "fused": True, "per_device_batch": 2, "evaluate": True}, "qwen2"),
     ({**DPO, "name": "unfused", "fused": False, "per_device_batch": 2, "evaluate": True}, "qwen2"),
+    ({**DPO, **PACKED, "name": "packed_fused", "fused": True, "per_device_batch": 2, "evaluate": True}, "qwen2"),
+    ({**DPO, **PACKED, "name": "packed_unfused", "fused": False, "per_device_batch": 2}, "qwen2"),
 ]
+# Micro-batches by token budget holding 1 or 2 pairs, every micro-batch of the plan (3 a rank) in one
+# step: equal to one padded batch of the same 8 pairs a step.
+BUDGET = {**DPO, **PACKED, "name": "budget", "fused": True, "per_device_batch": 2, "train_rows": 8,
+          "max_tokens_per_batch": 34, "grad_accum": "epoch"}
 # torch.compile'd decoder layers (refused under ZeRO-3, see test_backbone.py).
 _compiled = ({**DPO, "name": "compiled", "fused": True, "per_device_batch": 2, "compile": True}, "qwen2")
 SCENARIOS: dict[str, list[tuple[dict, str]]] = {
-    "ddp": _common + [_compiled],
+    "ddp": _common + [_compiled, (BUDGET, "rows8"), ({**ODD_EVAL, "per_device_batch": 2}, None)],
     "zero2": _common + [
         ({**DPO, "name": "compiled_checkpointed", "fused": True, "per_device_batch": 2, "compile": True,
           "gradient_checkpointing": True}, "qwen2"),
@@ -54,7 +72,7 @@ SCENARIOS: dict[str, list[tuple[dict, str]]] = {
         _compiled,
     ],
 }
-CASES = [(backend, spec["name"], want) for backend in BACKENDS for spec, want in SCENARIOS[backend]]
+CASES = [(backend, spec["name"], want) for backend in BACKENDS for spec, want in SCENARIOS[backend] if want]
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +112,24 @@ def test_backend_equals_single_process_unfused(runs, backend, name, want):
     assert_same_training(runs(backend), name, runs(None), want, backend=backend)
 
 
+def test_the_token_budget_scenario_has_micro_batches_of_different_sizes():
+    from tests.distributed.run_scenarios import budget_plan
+
+    plan = budget_plan(BUDGET, 2)
+    assert len(plan) % 2 == 0 and len({len(b) for b in plan}) > 1, plan
+    assert sorted(i for b in plan for i in b) == list(range(BUDGET["train_rows"]))
+
+
+UNEVEN_KEYS = ("eval_rewards/accuracies", "eval_rewards/margins", "eval_logps/chosen", "eval_logits/rejected")
+
+
 def test_eval_metrics_ignore_rows_repeated_to_even_out_ranks(tmp_path):
     want, got = uneven_eval(DPO, tmp_path)
-    for key in ("eval_rewards/accuracies", "eval_rewards/margins", "eval_logps/chosen", "eval_logits/rejected"):
+    for key in UNEVEN_KEYS:
+        assert abs(got[key] - want[key]) <= 1e-5 * abs(want[key]) + 1e-6, (key, got[key], want[key])
+
+
+def test_packed_eval_metrics_ignore_rows_repeated_to_even_out_ranks(runs):
+    want, got = result(runs(None), ODD_EVAL["name"])["eval"], result(runs("ddp"), ODD_EVAL["name"])["eval"]
+    for key in UNEVEN_KEYS:
         assert abs(got[key] - want[key]) <= 1e-5 * abs(want[key]) + 1e-6, (key, got[key], want[key])

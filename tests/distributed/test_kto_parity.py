@@ -4,7 +4,8 @@ Every forward KTO makes — completions and the mismatched KL pairs, for the pol
 the reference — goes through the fused head. The reference is a different model
 (builtin:tiny-llama, same tokenizer) so the KL reference point z0 is non-zero from the
 first step and the KL path is really exercised. 3 SGD steps, fp32, 2 ranks x 2 rows
-against 1 process x 4 rows; per-step losses, eval metrics and final weights to 1e-5.
+against 1 process x 4 rows; per-step losses, eval metrics and final weights to 1e-5; padded
+and padding-free rows.
 """
 
 from __future__ import annotations
@@ -24,9 +25,19 @@ BASELINE = [
 _common = [
     ({**KTO, "name": "fused", "fused": True, "per_device_batch": 2, "evaluate": True}, "unfused"),
     ({**KTO, "name": "unfused", "fused": False, "per_device_batch": 2, "evaluate": True}, "unfused"),
+    # Padding-free rows (completions, KL partners, and the reference's joint row, its prompt shared
+    # in the fused scenario).
+    ({**KTO, "name": "packed_fused", "fused": True, "per_device_batch": 2, "evaluate": True,
+      "padding_free": True, "share_prompt": True}, "unfused"),
+    ({**KTO, "name": "packed_unfused", "fused": False, "per_device_batch": 2, "padding_free": True}, "unfused"),
 ]
+# One step, then evaluation of 27 rows: 2 ranks x 2 leave a last batch that accelerate evens out by
+# repeating a row, which the per-example metrics must drop.
+ODD_EVAL = {**KTO, "name": "odd_eval_packed", "fused": True, "evaluate": True, "eval_rows": 27, "steps": 1,
+            "padding_free": True, "share_prompt": True}
+BASELINE.append({**ODD_EVAL, "per_device_batch": 4})
 SCENARIOS = {
-    "ddp": list(_common),
+    "ddp": _common + [({**ODD_EVAL, "per_device_batch": 2}, None)],
     "zero2": list(_common),
     "zero3": _common + [
         ({**KTO, "name": "precompute", "fused": True, "per_device_batch": 2, "precompute": True, "evaluate": True},
@@ -34,7 +45,7 @@ SCENARIOS = {
     ],
     "fsdp2": list(_common),
 }
-CASES = [(backend, spec["name"], want) for backend in BACKENDS for spec, want in SCENARIOS[backend]]
+CASES = [(backend, spec["name"], want) for backend in BACKENDS for spec, want in SCENARIOS[backend] if want]
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +67,18 @@ def test_backend_equals_single_process_unfused(runs, backend, name, want):
     assert_same_training(runs(backend), name, runs(None), want, backend=backend)
 
 
+UNEVEN_KEYS = ("eval_rewards/chosen", "eval_rewards/rejected", "eval_logps/chosen")
+
+
 def test_eval_metrics_ignore_rows_repeated_to_even_out_ranks(tmp_path):
     want, got = uneven_eval(KTO, tmp_path)
     assert got["eval_count/desirable"] + got["eval_count/undesirable"] == 27
-    for key in ("eval_rewards/chosen", "eval_rewards/rejected", "eval_logps/chosen"):
+    for key in UNEVEN_KEYS:
+        assert abs(got[key] - want[key]) <= 1e-5 * abs(want[key]) + 1e-6, (key, got[key], want[key])
+
+
+def test_packed_eval_metrics_ignore_rows_repeated_to_even_out_ranks(runs):
+    want, got = result(runs(None), ODD_EVAL["name"])["eval"], result(runs("ddp"), ODD_EVAL["name"])["eval"]
+    assert got["eval_count/desirable"] + got["eval_count/undesirable"] == 27
+    for key in UNEVEN_KEYS:
         assert abs(got[key] - want[key]) <= 1e-5 * abs(want[key]) + 1e-6, (key, got[key], want[key])
