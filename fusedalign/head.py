@@ -282,6 +282,7 @@ def fused_head(
     argmax: bool = False,
     row_loss: RowLoss | None = None,
     entropy_grad: bool = False,
+    batch_invariant: bool = False,
 ) -> Iterator[FusedHead]:
     """Makes `model(...)` return per-token log-probs of `labels` instead of logits.
 
@@ -298,6 +299,8 @@ def fused_head(
         entropy, logit_mean, argmax: Which detached per-token statistics to compute in the same pass.
         entropy_grad: The entropy with its gradient; the model then returns `[B, T, 2]`
             (log-probs, entropy) stacked where it would return logits.
+        batch_invariant: The op's `batch_invariant` (each row's results independent of the
+            other rows the head sees; the backbone's own GEMMs are not made invariant).
         row_loss: The loss the log-probs feed, as a function of each row's sum (`RowLoss`), so that
             the head forms its gradient in the forward; None for the ordinary per-token op.
 
@@ -309,7 +312,8 @@ def fused_head(
         raise ValueError(f"fused_head: labels must be [batch, seq_len], got shape {tuple(labels.shape)}.")
     lm = unwrap_model(model)
     post = post_processing_of(lm)
-    stats = {"entropy": entropy, "logit_mean": logit_mean, "argmax": argmax, "entropy_grad": entropy_grad}
+    stats = {"entropy": entropy, "logit_mean": logit_mean, "argmax": argmax, "entropy_grad": entropy_grad,
+             "batch_invariant": batch_invariant}
     state = FusedHead(labels, post, temperature, stats, row_loss)
     head = _head_module(lm)
     forward = _lora_forward(state) if _is_lora_layer(head) else _plain_forward(state)
@@ -375,6 +379,7 @@ def token_logprobs(
     argmax: bool = False,
     row_loss: RowLoss | None = None,
     entropy_grad: bool = False,
+    batch_invariant: bool = False,
 ) -> TokenLogProbs:
     """Per-token log-probs of `labels` from one ordinary forward of `model`.
 
@@ -388,12 +393,16 @@ def token_logprobs(
         row_loss: The loss the log-probs feed, per row sum (fused only: lets the head form its
             gradient in the forward; the unfused path computes the same function without it).
         entropy_grad: Return the entropy with its gradient (GRPO's entropy bonus), fused or not.
+        batch_invariant: Fused only: the head's results for a row do not depend on the batch's
+            other rows (`ops.head_logprobs`); the unfused path computes the same function from
+            the model's logits without it.
     """
     stats = {"entropy": entropy, "logit_mean": logit_mean, "argmax": argmax, "entropy_grad": entropy_grad}
     if not fused:
         logits = model(**inputs, use_cache=False).logits
         return logprobs_from_logits(logits, labels, temperature=temperature, **stats)
-    with fused_head(model, labels, temperature=temperature, row_loss=row_loss, **stats) as head:
+    with fused_head(model, labels, temperature=temperature, row_loss=row_loss, batch_invariant=batch_invariant,
+                    **stats) as head:
         out = model(**inputs, use_cache=False)
     if head.calls != 1:
         raise RuntimeError(

@@ -219,3 +219,19 @@ def test_entropy_grad_through_fused_head_directly_returns_both_stacked():
     assert stacked.shape == (*labels.shape, 2)
     torch.testing.assert_close(stacked[..., 0], head.last.logps, rtol=0, atol=0)
     torch.testing.assert_close(stacked[..., 1], head.last.entropy, rtol=0, atol=0)
+
+
+def test_batch_invariant_reaches_the_op_and_keeps_the_function(monkeypatch):
+    import fusedalign.head as head_module
+
+    seen = []
+    op = head_module.head_logprobs
+    monkeypatch.setattr(head_module, "head_logprobs", lambda *a, **kw: seen.append(kw["batch_invariant"]) or op(*a, **kw))
+    model = _model("builtin:tiny-gemma2", head_scale=400.0)
+    inputs, labels = _batch(model)
+    with torch.no_grad():
+        got = token_logprobs(model, inputs, labels, fused=True, batch_invariant=True, entropy=True)
+        ref = token_logprobs(model, inputs, labels, fused=False, batch_invariant=True, entropy=True)
+    assert seen == [True]
+    torch.testing.assert_close(got.logps, ref.logps, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(got.entropy, ref.entropy, rtol=1e-9, atol=1e-9)
