@@ -71,6 +71,8 @@ class GRPOConfig(FusedAlignConfig):
                                  "completions on any split over ranks and batches."})
     replay_completions: str | None = field(
         default=None, metadata={"help": "Replay completions recorded in this JSON-lines file instead of generating."})
+    shuffle_dataset: bool = field(default=True, metadata={"help": "Draw the prompts in a seeded random order "
+                                                              "(the same on every rank); False: in dataset order."})
     mask_truncated_completions: bool = field(default=False, metadata={"help": "Leave completions without EOS out "
                                                                             "of the loss (DAPO)."})
     # ---------------------------------------------------------------- loss

@@ -112,6 +112,8 @@ def build_trainer(spec: dict, out_dir: str):
         )
         config = spec.get("dataset_config", "standard_unpaired_preference")
         trainer_cls = KTOTrainer
+    elif trainer_name == "grpo":
+        return _grpo_trainer(spec, common, peft_config)
     else:
         raise ValueError(f"unknown trainer {trainer_name}")
     train = load_dataset_any("builtin:zen", config, split="train")
@@ -122,6 +124,31 @@ def build_trainer(spec: dict, out_dir: str):
         evaluate = evaluate.select(range(spec["eval_rows"]))
     model = load_model(spec.get("model", "builtin:tiny-qwen2"))
     return trainer_cls(model=model, args=args, train_dataset=train, eval_dataset=evaluate, peft_config=peft_config)
+
+
+def _grpo_trainer(spec: dict, common: dict, peft_config):
+    """GRPO on replayed completions (tests/grpo_replay.py): the training maths alone, the same on every backend."""
+    from fusedalign.configs import GRPOConfig
+    from fusedalign.data import load_dataset_any
+    from fusedalign.models import load_model, load_tokenizer
+    from fusedalign.trainers.grpo import GRPOTrainer
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo
+    from tests.grpo_replay import token_sum_reward, uneven_replay
+
+    generations = spec.get("num_generations", 4)
+    args = GRPOConfig(
+        **common, num_generations=generations, max_completion_length=12, loss_type=spec.get("loss_type", "dapo"),
+        beta=spec.get("beta", 0.0), num_iterations=spec.get("num_iterations", 1), shuffle_dataset=False,
+        mask_truncated_completions=spec.get("mask_truncated_completions", False),
+        top_entropy_quantile=spec.get("top_entropy_quantile", 1.0), keyed_sampling=spec.get("keyed", False),
+    )
+    prompts = load_dataset_any("builtin:zen", "standard_prompt_only", split="train").select(range(32))
+    replay = uneven_replay(32, generations, load_tokenizer("builtin:tiny-qwen2").eos_token_id,
+                           truncate_every=spec.get("truncate_every", 4))
+    # keyed: real generation (generation_weights on the backend) with draws that do not depend on the split.
+    return GRPOTrainer(load_model(spec.get("model", "builtin:tiny-qwen2")), reward_funcs=token_sum_reward, args=args,
+                       train_dataset=prompts, peft_config=peft_config, generator=None if spec.get("keyed") else replay)
 
 
 def run(spec: dict, out_root: str) -> None:
@@ -141,6 +168,9 @@ def run(spec: dict, out_root: str) -> None:
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     result = {
         "losses": losses,
+        # Every logged training value per step, for trainers whose parity covers more than the loss.
+        "history": [{k: v for k, v in entry.items() if isinstance(v, (int, float))}
+                    for entry in trainer.state.log_history if "loss" in entry],
         "world_size": trainer.accelerator.num_processes,
         # What really ran: the parity tests check it, since accelerate can silently fall
         # back to DDP on CPU.

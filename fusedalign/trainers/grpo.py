@@ -1,0 +1,176 @@
+"""GRPOTrainer: step preparation (generate, score, advantages) -> policy log-probs -> GRPO loss.
+
+Generation happens in the trainer's step preparation, once per generation window, before
+any forward of the step (`trainers/grpo_rollout.py`); the policy, old-policy and reference
+log-probs all come from `token_logprobs`, i.e. from the fused head inside `lm_head`'s own
+forward, entropy in the same pass. The base normalises each micro-batch's loss sum by the
+loss type's items over the whole optimizer step and every rank (`losses/grpo.py` gives the
+table against TRL 1.16).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from datasets import Dataset
+from torch import nn
+
+from fusedalign.configs import GRPOConfig
+from fusedalign.data.grpo import GenerationBatchSampler, collate_rows
+from fusedalign.data.prompts import prepare_prompt_dataset
+from fusedalign.generation import HFGenerate, KeyedSampler, Replay
+from fusedalign.losses import GRPOLossMetrics, count_items, entropy_threshold, entropy_weight, grpo_loss
+from fusedalign.losses import high_entropy_mask
+from fusedalign.rewards import RewardFunctions, load_reward_function, load_reward_functions
+from fusedalign.trainers.base import FusedAlignTrainer
+from fusedalign.trainers.grpo_rollout import Rollout, loss_mask, make_rollout
+from fusedalign.trainers.policy import load_policy
+from fusedalign.trainers.reference import Reference, load_reference_model
+
+
+class GRPOTrainer(FusedAlignTrainer):
+    """Group Relative Policy Optimization with the fused output head.
+
+    Args:
+        model: A causal LM or a name/path (`builtin:tiny-qwen2`, a directory, a hub id).
+        reward_funcs: A reward function (TRL's API, `f(prompts, completions, completion_ids,
+            **columns) -> list[float | None]`), a name (`zen_words`, a dotted path, a reward
+            model path) or a list of them; default: `args.reward_funcs` and
+            `args.reward_model_name_or_path`.
+        args: GRPOConfig.
+        train_dataset, eval_dataset: Prompt-only data (a `prompt` column, standard or
+            conversational); other columns are passed to the reward functions by name.
+        processing_class: The tokenizer; default: loaded from the model's path.
+        peft_config: A peft LoraConfig (with beta != 0 and no ref_model, the reference is the
+            policy with its adapter disabled; LoRA on lm_head included).
+        ref_model: A frozen reference or name/path, used when beta != 0 (default: the policy's path).
+        generator: A `fusedalign.generation.Generator`; default from the args (transformers'
+            generate, keyed sampling, or a replay of recorded completions).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | str,
+        reward_funcs: Callable | str | Sequence[Callable | str] | None = None,
+        args: GRPOConfig | None = None,
+        train_dataset: Dataset | None = None,
+        eval_dataset: Dataset | None = None,
+        processing_class: Any = None,
+        peft_config: Any = None,
+        callbacks: list | None = None,
+        ref_model: nn.Module | str | None = None,
+        generator: Any = None,
+    ):
+        args = args or GRPOConfig()
+        policy = load_policy(model, args, processing_class, peft_config)
+        reference = load_reference_model(ref_model, policy, args, needed=args.beta != 0.0)
+        tokenizer = policy.tokenizer
+        self.reward_funcs = RewardFunctions(_reward_callables(reward_funcs, args), args.reward_weights)
+        train_dataset, eval_dataset = (None if d is None else self._prepare_split(d, tokenizer, args)
+                                       for d in (train_dataset, eval_dataset))
+        super().__init__(model=policy.model, args=args, data_collator=collate_rows, train_dataset=train_dataset,
+                         eval_dataset=eval_dataset, processing_class=tokenizer, callbacks=callbacks)
+        self.reference = Reference.prepare(reference, self.accelerator, policy_is_peft=policy.is_peft,
+                                           needed=args.beta != 0.0, disable_dropout_=args.disable_dropout)
+        for func in self.reward_funcs.funcs:
+            if hasattr(func, "prepare"):
+                func.prepare(self.accelerator)
+        self.generator = generator if generator is not None else _default_generator(args, tokenizer)
+        self.loss_options = args.loss_options()
+        self.generation_step = 0
+        self._rollout: Rollout | None = None
+
+    def _prepare_split(self, dataset: Dataset, tokenizer: Any, args: GRPOConfig) -> Dataset:
+        dataset, stats = prepare_prompt_dataset(dataset, tokenizer, max_prompt_length=args.max_prompt_length)
+        self.conversational = stats.format.conversational
+        self.reward_funcs.check_call([c for c in dataset.column_names if c not in ("prompt", "prompt_ids", "row_index")])
+        return dataset
+
+    @property
+    def ref_model(self) -> nn.Module | None:
+        return self.reference.model
+
+    # ------------------------------------------------------------------ data
+
+    def get_train_dataloader(self):
+        args = self.args
+        if self.train_dataset is None:
+            raise ValueError("GRPOTrainer: training requires a train_dataset.")
+        sampler = GenerationBatchSampler(
+            len(self.train_dataset), args.num_generations, args.generation_batch_size // args.num_generations,
+            args.steps_per_generation * args.num_iterations, seed=args.seed,
+            shuffle=args.shuffle_dataset and args.train_sampling_strategy != "sequential",
+        )
+        return self._get_dataloader(self.train_dataset, "Training", args.per_device_train_batch_size
+                                    * args.steps_per_generation, sampler_fn=lambda _: sampler, is_training=True)
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        args, dataset = self.args, eval_dataset if eval_dataset is not None else self.eval_dataset
+        G = args.num_generations_eval or args.num_generations
+        batch = args.per_device_eval_batch_size
+        sampler = GenerationBatchSampler(len(dataset), G, batch * args.world_size // G, 1, shuffle=False)
+        return self._get_dataloader(dataset, "Evaluation", batch, sampler_fn=lambda _: sampler)
+
+    # ------------------------------------------------------------------ the step
+
+    def prepare_step(self, model: nn.Module, batches: list[dict[str, Any]], mode: str) -> list[dict[str, Any]]:
+        """Generates at the start of every window, then serves its micro-batches in order."""
+        prepared = []
+        for item in batches:
+            if mode == "eval" or self._rollout is None or self._rollout.exhausted:
+                rollout = make_rollout(self, model, item["rows"], mode)
+                if mode == "eval":
+                    prepared.append(rollout.next())
+                    continue
+                self._rollout = rollout
+            prepared.append(self._rollout.next())
+        if self.args.entropy_coef > 0:
+            # The bonus is coef x the entropy's mean over the step's loss tokens (every rank).
+            totals = torch.stack([torch.stack([count_items(loss_mask(b), self.args.loss_type),
+                                               loss_mask(b).sum().float()]) for b in prepared]).sum(0)
+            totals = self.accelerator.reduce(totals, reduction="sum")
+            prepared = [{**b, "entropy_weight": entropy_weight(self.args.entropy_coef, totals[0], totals[1])}
+                        for b in prepared]
+        return prepared
+
+    def count_items(self, inputs: dict[str, Any]) -> torch.Tensor:
+        """The loss type's items: tokens (dapo, cispo, vespo), sequences, or the micro-batch (bnpo)."""
+        return count_items(loss_mask(inputs), self.args.loss_type)
+
+    def loss_and_metrics(self, model: nn.Module, inputs: dict[str, Any], mode: str) -> tuple[torch.Tensor, GRPOLossMetrics]:
+        args, labels = self.args, inputs["labels"]
+        mask = loss_mask(inputs)
+        model_inputs = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]}
+        out = self.token_logprobs(model, model_inputs, labels, entropy=True, entropy_grad=args.entropy_coef > 0)
+        entropy_mask = None
+        if args.top_entropy_quantile < 1.0:
+            # TRL's threshold: a quantile of every rank's valid token entropies of this micro-batch.
+            values = out.entropy.detach()[mask]
+            padded = self.accelerator.pad_across_processes(values, pad_index=float("nan"))
+            gathered = self.accelerator.gather(padded)
+            threshold = entropy_threshold(gathered[~torch.isnan(gathered)], args.top_entropy_quantile)
+            entropy_mask = high_entropy_mask(out.entropy.detach(), mask, threshold)
+        result = grpo_loss(
+            out.logps, mask, inputs["advantages"], self.loss_options, old_logps=inputs.get("old_logps"),
+            ref_logps=inputs.get("ref_logps"), entropy=out.entropy, entropy_mask=entropy_mask,
+            entropy_weight=inputs.get("entropy_weight", 0.0),
+        )
+        return result.loss_sum, result.metrics
+
+
+def _reward_callables(reward_funcs: Any, args: GRPOConfig) -> list[Callable]:
+    if reward_funcs is None:
+        return load_reward_functions(args.reward_funcs, args.reward_model_name_or_path)
+    funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    return [load_reward_function(f) if isinstance(f, str) else f for f in funcs]
+
+
+def _default_generator(args: GRPOConfig, tokenizer: Any) -> Any:
+    if args.replay_completions is not None:
+        return Replay.load(args.replay_completions)
+    sampler = None
+    if args.keyed_sampling:
+        sampler = KeyedSampler(args.seed, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                               min_p=args.min_p)
+    return HFGenerate.from_args(args, tokenizer, sampler)

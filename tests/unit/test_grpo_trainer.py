@@ -1,0 +1,186 @@
+"""GRPOTrainer on the tiny model: the loss against TRL's formula, split invariance for every loss
+type, generation reuse, old-policy log-probs, the reference, masked batches, fused = unfused,
+and that the built-in reward is learned."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from datasets import Dataset
+
+from fusedalign.configs import GRPOConfig
+from fusedalign.data import DataError, load_dataset_any
+from fusedalign.losses import group_advantages
+from fusedalign.models import load_model, load_tokenizer
+from fusedalign.rewards import RewardError
+from fusedalign.trainers.grpo import GRPOTrainer
+from tests.grpo_replay import token_sum_reward, uneven_replay
+
+MODEL = "builtin:tiny-qwen2"
+ROWS, G = 16, 4
+
+
+@pytest.fixture(scope="module")
+def prompts() -> Dataset:
+    return load_dataset_any("builtin:zen", "standard_prompt_only").select(range(ROWS))
+
+
+@pytest.fixture(scope="module")
+def replay():
+    return uneven_replay(ROWS, G, load_tokenizer(MODEL).eos_token_id)
+
+
+def _args(tmp_path, **overrides) -> GRPOConfig:
+    values = dict(
+        output_dir=str(tmp_path), max_steps=1, learning_rate=0.1, optim="sgd", lr_scheduler_type="constant",
+        warmup_steps=0, weight_decay=0.0, max_grad_norm=0.0, per_device_train_batch_size=8, num_generations=G,
+        max_completion_length=12, logging_steps=1, save_strategy="no", seed=0, report_to="none", disable_tqdm=True,
+        shuffle_dataset=False,
+    )
+    values.update(overrides)
+    return GRPOConfig(**values)
+
+
+def _train(tmp_path, prompts, replay, reward=token_sum_reward, **overrides):
+    torch.manual_seed(0)
+    trainer = GRPOTrainer(load_model(MODEL), reward_funcs=reward, args=_args(tmp_path, **overrides),
+                          train_dataset=prompts, generator=replay)
+    trainer.train()
+    logs = [e for e in trainer.state.log_history if "loss" in e]
+    return trainer, logs, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+def test_dapo_loss_at_ratio_one_is_trls_formula_by_hand(tmp_path, prompts, replay):
+    """First step, on-policy: r = 1, L_t = -A for each completion token; dapo divides by all tokens."""
+    trainer, logs, _ = _train(tmp_path, prompts, replay, loss_type="dapo")
+    keys = [(row, g) for row in range(2) for g in range(G)]  # the first generation batch: 2 prompts x G
+    completions = [replay.records[k][0] for k in keys]
+    rewards = torch.tensor([[r] for r in token_sum_reward(completions)])
+    adv = group_advantages(rewards, torch.ones(1), G).advantages
+    lengths = torch.tensor([len(c) for c in completions], dtype=torch.float64)
+    want = float(-(adv.double() * lengths).sum() / lengths.sum())
+    assert len(set(lengths.tolist())) > 2  # uneven lengths
+    assert logs[0]["loss"] == pytest.approx(want, rel=1e-5, abs=1e-7)
+    assert logs[0]["clip_ratio/region_mean"] == 0.0
+    assert logs[0]["reward"] == pytest.approx(float(rewards.mean()), rel=1e-6)
+    assert logs[0]["completions/clipped_ratio"] == pytest.approx(
+        sum(replay.records[k][1] for k in keys) / len(keys))
+
+
+LOSS_TYPES = ["grpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_one_step_is_the_same_however_it_is_split(tmp_path, prompts, replay, loss_type):
+    """(accumulation 4 x batch 2) = (1 x 8): one optimizer step's update, uneven completion lengths."""
+    whole = _train(tmp_path / "w", prompts, replay, loss_type=loss_type, beta=0.04)
+    split = _train(tmp_path / "s", prompts, replay, loss_type=loss_type, beta=0.04, per_device_train_batch_size=2,
+                   gradient_accumulation_steps=4)
+    assert split[0].args.steps_per_generation == 4 and split[0].generation_step == 1
+    torch.testing.assert_close(torch.tensor(split[1][0]["loss"]), torch.tensor(whole[1][0]["loss"]), rtol=1e-5,
+                               atol=1e-7)
+    moved = 0
+    for key, value in whole[2].items():
+        torch.testing.assert_close(split[2][key], value, rtol=1e-5, atol=1e-7, msg=key)
+        moved += int(not torch.equal(value, load_model(MODEL).state_dict()[key])) if key.endswith("q_proj.weight") else 0
+    assert moved  # the step did move the weights
+
+
+def test_bnpo_depends_on_the_split_as_trl_defines_it(tmp_path, prompts, replay):
+    whole = _train(tmp_path / "w", prompts, replay, loss_type="bnpo")
+    split = _train(tmp_path / "s", prompts, replay, loss_type="bnpo", per_device_train_batch_size=2,
+                   gradient_accumulation_steps=4)
+    assert split[1][0]["loss"] != pytest.approx(whole[1][0]["loss"], rel=1e-4)
+
+
+def test_generation_reuse_first_ratio_is_one_and_each_completion_used_num_iterations_times(tmp_path, prompts, replay):
+    calls = []
+
+    class Counting:
+        def generate(self, model, prompt_ids, row_keys, *, step=0):
+            calls.append(list(row_keys))
+            return replay.generate(model, prompt_ids, row_keys, step=step)
+
+    torch.manual_seed(0)
+    args = _args(tmp_path, max_steps=4, num_iterations=2, per_device_train_batch_size=4, loss_type="grpo")
+    assert args.needs_old_logps
+    trainer = GRPOTrainer(load_model(MODEL), reward_funcs=token_sum_reward, args=args, train_dataset=prompts,
+                          generator=Counting())
+    trainer.train()
+    logs = [e for e in trainer.state.log_history if "loss" in e]
+    assert len(calls) == 2 and trainer.generation_step == 2  # 4 micro-steps / (spg 1 x mu 2)
+    assert calls[0] != calls[1]
+    on_policy = _train(tmp_path / "one", prompts, replay, per_device_train_batch_size=4, loss_type="grpo")[1]
+    # Step 1 uses the completions with the policy that generated them: r == 1 exactly.
+    assert logs[0]["loss"] == pytest.approx(on_policy[0]["loss"], rel=1e-6)
+    assert logs[0]["clip_ratio/region_mean"] == 0.0
+    # Step 2 reuses them after an update: the ratio moved (lr 0.1) and the loss with it.
+    assert logs[1]["loss"] != pytest.approx(logs[0]["loss"], rel=1e-4)
+
+
+def test_kl_with_a_reference_and_with_the_adapter_disabled(tmp_path, prompts, replay):
+    from peft import LoraConfig
+
+    _, logs, _ = _train(tmp_path / "ref", prompts, replay, beta=0.1, max_steps=2, per_device_train_batch_size=4)
+    assert logs[0]["kl"] == 0.0 and logs[1]["kl"] > 0  # the policy starts as the reference, then moves
+    lora = LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8, lora_dropout=0.0,
+                      target_modules=["q_proj", "v_proj", "lm_head"], init_lora_weights=False)
+    torch.manual_seed(0)
+    trainer = GRPOTrainer(load_model(MODEL), reward_funcs=token_sum_reward, args=_args(tmp_path / "lora", beta=0.1),
+                          train_dataset=prompts, generator=replay, peft_config=lora)
+    assert trainer.ref_model is None and trainer.reference.mode == "adapter_disabled"
+    trainer.train()
+    kl = [e["kl"] for e in trainer.state.log_history if "kl" in e]
+    assert kl and kl[0] > 0  # the adapter (lm_head included) is not zero-initialised: policy != reference
+
+
+def test_all_completions_masked_gives_a_connected_zero_loss(tmp_path, prompts):
+    eos = load_tokenizer(MODEL).eos_token_id
+    truncated = uneven_replay(ROWS, G, eos, truncate_every=1)  # every completion truncated
+    trainer, logs, weights = _train(tmp_path, prompts, truncated, mask_truncated_completions=True)
+    assert logs[0]["loss"] == 0.0 and logs[0]["completions/clipped_ratio"] == 1.0
+    initial = load_model(MODEL).state_dict()
+    assert all(torch.equal(weights[k], initial[k]) for k in initial)
+
+
+def test_fused_equals_unfused(tmp_path, prompts, replay):
+    fused = _train(tmp_path / "f", prompts, replay, beta=0.04, max_steps=2, per_device_train_batch_size=4,
+                   top_entropy_quantile=0.5, entropy_coef=0.01)
+    unfused = _train(tmp_path / "u", prompts, replay, beta=0.04, max_steps=2, per_device_train_batch_size=4,
+                     top_entropy_quantile=0.5, entropy_coef=0.01, fused_head=False)
+    for a, b in zip(fused[1], unfused[1]):
+        for key in ("loss", "kl", "entropy", "reward"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
+    for key, value in unfused[2].items():
+        torch.testing.assert_close(fused[2][key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_reward_errors_name_the_function_and_row(tmp_path, prompts, replay):
+    def broken(completions, **kwargs):
+        raise KeyError("score")
+
+    trainer = GRPOTrainer(load_model(MODEL), reward_funcs=broken, args=_args(tmp_path), train_dataset=prompts,
+                          generator=replay)
+    with pytest.raises(RewardError, match=r"'broken' raised KeyError.*dataset row 0 \(from 0\), generation 0"):
+        trainer.train()
+    with pytest.raises(DataError, match="completions"):  # refused when the data is prepared
+        GRPOTrainer(load_model(MODEL), reward_funcs=token_sum_reward, args=_args(tmp_path),
+                    train_dataset=prompts.add_column("completions", ["x"] * ROWS), generator=replay)
+
+
+@pytest.mark.slow
+def test_the_builtin_reward_is_learned(tmp_path):
+    """zen_words on the embedded prompts: the mean reward of the last 5 steps at least doubles."""
+    data = load_dataset_any("builtin:zen", "standard_prompt_only")
+    args = GRPOConfig(output_dir=str(tmp_path), max_steps=30, learning_rate=3e-3, lr_scheduler_type="constant",
+                      warmup_steps=0, per_device_train_batch_size=64, num_generations=8, max_completion_length=16,
+                      logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, seed=0,
+                      keyed_sampling=True)
+    torch.manual_seed(0)
+    trainer = GRPOTrainer(load_model(MODEL), reward_funcs="zen_words", args=args, train_dataset=data)
+    trainer.train()
+    rewards = [e["reward"] for e in trainer.state.log_history if "reward" in e]
+    assert len(rewards) == 30 and all(math.isfinite(r) for r in rewards)
+    assert sum(rewards[-5:]) / 5 >= 2 * sum(rewards[:5]) / 5, rewards
