@@ -167,7 +167,7 @@ def _forward_invariant(hidden, weight, labels, bias, down, up, opts: HeadOptions
             z.div_(opts.temperature)
         chunk = _chunk_forward(y, invariant.rows_into(pad_safe[:, None], safe[sl, None]).squeeze(1),
                                invariant.rows_into(pad_valid[:, None], valid[sl, None]).squeeze(1), opts, width=v)
-        for dst, val in zip((outs[0], outs[1], outs[2], outs[3], outs[4]), chunk):
+        for dst, val in zip(outs, chunk):  # (logps, lse, entropy, logit_mean, argmax_match)
             if dst is not None:
                 dst[sl] = val[:k]
     logps, lse, entropy, mean, match = outs
