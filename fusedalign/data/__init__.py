@@ -23,6 +23,16 @@ from .formats import (
     validate_dataset,
 )
 from .packing import pack_dataset, pack_sequences
+from .preference_batches import (
+    PackedDPOCollator,
+    PackedKTOCollator,
+    dpo_row_tokens,
+    kto_batch,
+    kto_row_tokens,
+    preference_batch,
+    sequence_logps,
+)
+from .samplers import LengthGroupedSampler, TokenBudgetBatchSampler
 from .tokenize import (
     TokenizeStats,
     extract_prompt,
@@ -37,10 +47,12 @@ from .tokenize import (
 )
 
 __all__ = [
-    "DPOCollator", "DataError", "DataFormat", "KIND_COLUMNS", "KTOCollator", "SFTCollator",
-    "TRAINER_KINDS", "TokenizeStats", "check_row", "check_tokenizer", "detect_format",
-    "extract_prompt", "has_generation_markers", "list_builtin_datasets", "load_builtin_dataset",
-    "load_dataset_any", "pack_dataset", "pack_sequences", "pad", "position_labels",
+    "DPOCollator", "DataError", "DataFormat", "KIND_COLUMNS", "KTOCollator", "LengthGroupedSampler",
+    "PackedDPOCollator", "PackedKTOCollator", "SFTCollator", "TRAINER_KINDS", "TokenBudgetBatchSampler",
+    "TokenizeStats", "check_row", "check_tokenizer", "detect_format", "dpo_row_tokens",
+    "extract_prompt", "has_generation_markers", "kto_batch", "kto_row_tokens", "list_builtin_datasets",
+    "load_builtin_dataset", "load_dataset_any", "pack_dataset", "pack_sequences", "pad", "position_labels",
+    "preference_batch", "sequence_logps",
     "prepare_dpo_dataset", "prepare_kto_dataset", "prepare_sft_dataset", "tokenize_dpo_row",
     "tokenize_kto_row", "tokenize_prompt_row", "tokenize_sft_row", "truncate_pair",
     "unpair_preference_dataset", "validate_dataset",
