@@ -17,6 +17,7 @@ import os
 import sys
 from typing import Callable
 
+from fusedalign.cli.commands import TRAINING_COMMANDS
 from fusedalign.cli.demo import DEMO_DEFAULTS
 from fusedalign.errors import CLIError, LaunchError, one_line
 
@@ -41,7 +42,7 @@ Distributed (2 processes):
 (ddp, zero2, zero3, fsdp2; never add --cpu: accelerate would start one plain process)
 """
 
-__all__ = ["COMMANDS", "CLIError", "DEMO_DEFAULTS", "USAGE", "main", "parse"]
+__all__ = ["COMMANDS", "CLIError", "DEMO_DEFAULTS", "TRAINING_COMMANDS", "USAGE", "main", "parse"]
 
 HELP_FLAGS = ("-h", "--help", "--help-all")
 
@@ -77,7 +78,7 @@ def _tool(name: str) -> Callable[[list[str]], int]:
 
 
 COMMANDS: dict[str, Callable[[list[str]], int]] = {
-    **{name: _training(name) for name in ("dpo", "kto", "sft")},
+    **{name: _training(name) for name in TRAINING_COMMANDS},
     **{name: _tool(name) for name in ("plot", "merge", "consolidate")},
 }
 

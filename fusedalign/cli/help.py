@@ -17,10 +17,10 @@ import importlib.metadata
 import os
 from pathlib import Path
 
+from fusedalign.cli.commands import TRAINING_COMMANDS, load
+
 PACKAGE = Path(__file__).resolve().parents[1]
 
-CONFIGS = {"dpo": "fusedalign.configs.dpo:DPOConfig", "kto": "fusedalign.configs.kto:KTOConfig",
-           "sft": "fusedalign.configs.sft:SFTConfig"}
 
 # TrainingArguments flags a run usually sets, listed by `--help` after the command's own.
 COMMON_TRAINING_FLAGS = (
@@ -33,13 +33,10 @@ COMMON_TRAINING_FLAGS = (
 
 def dataclass_types(command: str) -> tuple:
     """The dataclasses `fusedalign <command>` parses, in order (imports TrainingArguments)."""
-    import importlib
-
     from fusedalign.cli.arguments import RunArguments
     from fusedalign.configs import ModelArguments, ScriptArguments
 
-    module, name = CONFIGS[command].split(":")
-    return (ScriptArguments, getattr(importlib.import_module(module), name), ModelArguments, RunArguments)
+    return (ScriptArguments, load(TRAINING_COMMANDS[command][0]), ModelArguments, RunArguments)
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -154,7 +151,7 @@ def help_text(command: str, full: bool = False) -> str:
 
 def warm() -> None:
     """Renders every command's help into the cache (scripts/setup.sh runs it once)."""
-    for command in CONFIGS:
+    for command in TRAINING_COMMANDS:
         for full in (False, True):
             help_text(command, full)
 

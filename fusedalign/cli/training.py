@@ -2,24 +2,15 @@
 
 from __future__ import annotations
 
-import importlib
 import os
 import shlex
 import sys
 from typing import Any
 
+from fusedalign.cli.commands import TRAINING_COMMANDS, load
 from fusedalign.cli.interrupt import InterruptGuard, Interrupted
 from fusedalign.cli.output_dir import check_output_dir, last_checkpoint, move_old_run_aside, resolve_resume
 from fusedalign.errors import CLIError
-
-TRAINERS = {"dpo": "fusedalign.trainers.dpo:DPOTrainer", "kto": "fusedalign.trainers.kto:KTOTrainer",
-            "sft": "fusedalign.trainers.sft:SFTTrainer"}
-
-
-def _import(spec: str) -> Any:
-    module, attribute = spec.split(":")
-    return getattr(importlib.import_module(module), attribute)
-
 
 def _is_main_process() -> bool:
     return os.environ.get("RANK", "0") == "0"
@@ -57,6 +48,7 @@ def load_splits(command: str, script: Any, args: Any) -> tuple[Any, Any]:
     from fusedalign.data import load_dataset_any
     from fusedalign.data.builtin import is_single_file, located_error
     from fusedalign.data.formats import DataError, validate_dataset
+    from fusedalign.data.splits import is_tokenised
 
     if script.dataset_name is None:
         raise CLIError("--dataset_name is required with --model_name_or_path (e.g. builtin:zen or a local file).")
@@ -71,7 +63,8 @@ def load_splits(command: str, script: Any, args: Any) -> tuple[Any, Any]:
     for split in splits:
         dataset = load_dataset_any(script.dataset_name, script.dataset_config, split=split)
         try:
-            validate_dataset(dataset, _expected_kinds(command, args))
+            if not is_tokenised(dataset, command):  # token-id columns are the trainer's to check
+                validate_dataset(dataset, _expected_kinds(command, args))
         except DataError as err:
             raise located_error(err, script.dataset_name, split) from None
         loaded.append(dataset)
@@ -82,7 +75,7 @@ def _build_trainer(command: str, script: Any, args: Any, model_args: Any, train:
     from fusedalign.data.builtin import located_error
     from fusedalign.data.formats import DataError
 
-    trainer_cls = _import(TRAINERS[command])
+    trainer_cls = load(TRAINING_COMMANDS[command][1])
     try:
         return trainer_cls(model=load_model_from(model_args), args=args, train_dataset=train, eval_dataset=evaluate,
                            peft_config=peft_config_from(model_args))
@@ -123,7 +116,8 @@ def run_training(command: str, argv: list[str]) -> int:
         return _run(command, argv, guard, run)
     except Interrupted as stop:
         if _is_main_process():
-            print(interrupt_report(command, argv, run.get("args"), stop.signum), file=sys.stderr)
+            args = run.get("args") if run.get("training") else None
+            print(interrupt_report(command, argv, args, stop.signum), file=sys.stderr)
         from fusedalign.cli import _exit_code
 
         return _exit_code(128 + stop.signum)
@@ -145,6 +139,7 @@ def _run(command: str, argv: list[str], guard: InterruptGuard, run: dict[str, An
     trainer = _build_trainer(command, script, args, model_args, train, evaluate)
     if move_aside:
         move_old_run_aside(args)
+    run["training"] = True
     _train_and_save(trainer, args, resume, guard)
     teardown_distributed()
     return 0
@@ -175,7 +170,7 @@ def interrupt_report(command: str, argv: list[str], args: Any, signum: int) -> s
 
     name = signal.Signals(signum).name
     if args is None:
-        return f"[fusedalign] interrupted ({name}) before training started; nothing was written."
+        return f"[fusedalign] interrupted ({name}) before training started; nothing was written or moved."
     last = last_checkpoint(args.output_dir)
     if last is None:
         why = "save_strategy is 'no'" if args.save_strategy == "no" else "none was due yet"

@@ -1,0 +1,15 @@
+"""The training commands: each one's config and trainer, as "module:attribute" (imported on use)."""
+
+TRAINING_COMMANDS: dict[str, tuple[str, str]] = {
+    "dpo": ("fusedalign.configs.dpo:DPOConfig", "fusedalign.trainers.dpo:DPOTrainer"),
+    "kto": ("fusedalign.configs.kto:KTOConfig", "fusedalign.trainers.kto:KTOTrainer"),
+    "sft": ("fusedalign.configs.sft:SFTConfig", "fusedalign.trainers.sft:SFTTrainer"),
+}
+
+
+def load(spec: str):
+    """The attribute a "module:attribute" spec names."""
+    import importlib
+
+    module, attribute = spec.split(":")
+    return getattr(importlib.import_module(module), attribute)
