@@ -55,6 +55,7 @@ from benchmarks.builders.model import build_model  # noqa: E402
 from benchmarks.dpo_modes import compare, fit, real_lengths, recheck, search  # noqa: E402
 from benchmarks.dpo_modes.args import parse_args  # noqa: E402
 from benchmarks.harness.env import gpu_info, log, one_gpu, versions, versions_line  # noqa: E402
+from benchmarks.harness.tables import write_markdown  # noqa: E402
 
 
 def default_configs(args, skipped: dict) -> list[str]:
@@ -139,8 +140,7 @@ def main(argv=None) -> int:
     with open(json_out, "w") as f:
         json.dump({"versions": found, "argv": sys.argv, "settings": {k: getattr(args, k) for k in vars(args)},
                    "skipped": skipped, "results": results}, f, indent=1, default=str)
-    if args.markdown_out:
-        Path(args.markdown_out).write_text("\n\n".join(tables) + "\n")
+    write_markdown(args, tables)
     log(f"\nresults: {json_out}")
     return 0
 

@@ -37,7 +37,7 @@ from benchmarks.builders import grpo  # noqa: E402
 from benchmarks.builders.model import build_model, model_config  # noqa: E402
 from benchmarks.harness import runner  # noqa: E402
 from benchmarks.harness.env import gpu_info, log, versions, versions_line  # noqa: E402
-from benchmarks.harness.tables import fmt, markdown, ratio  # noqa: E402
+from benchmarks.harness.tables import fmt, markdown, ratio, write_markdown  # noqa: E402
 from benchmarks.harness.timing import Timers, device_sync, steady, step_timer  # noqa: E402
 
 
@@ -141,7 +141,7 @@ def table(args, results: dict) -> str:
     base = results.get("trl") if results.get("trl", {}).get("status") == "ok" else None
     rows = []
     for name in args.configs:
-        r = results[name]
+        r = results.get(name, {"status": "not run", "reason": "not run"})
         if r.get("status") != "ok":
             rows.append([name, r.get("reason") or f"{r['status']}: {r.get('error', '')[:80]}", "", "", "", "", "", ""])
             continue
@@ -189,6 +189,7 @@ def main(argv=None) -> int:
             log(f"{name}: running ...")
             results[name] = runner.launch(argv, f"grpo-{name}", log_dir=args.log_dir, device=args.device,
                                           timeout=args.worker_timeout)
+            write_markdown(args, [table(args, results)])
     finally:
         if own_model:
             shutil.rmtree(args.model_dir, ignore_errors=True)
@@ -197,8 +198,7 @@ def main(argv=None) -> int:
     with open(args.json_out or os.path.join(args.log_dir, "results.json"), "w") as f:
         json.dump({"versions": versions(), "argv": sys.argv, "settings": {k: getattr(args, k) for k in vars(args)},
                    "skipped": skipped, "results": results}, f, indent=1, default=str)
-    if args.markdown_out:
-        Path(args.markdown_out).write_text(text + "\n")
+    write_markdown(args, [text])
     return 0
 
 

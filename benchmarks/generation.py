@@ -41,7 +41,7 @@ if __package__ in (None, ""):
 from benchmarks.builders.model import build_model  # noqa: E402
 from benchmarks.harness import runner  # noqa: E402
 from benchmarks.harness.env import gpu_info, log, versions, versions_line  # noqa: E402
-from benchmarks.harness.tables import fmt, markdown, ratio  # noqa: E402
+from benchmarks.harness.tables import fmt, markdown, ratio, write_markdown  # noqa: E402
 
 METHODS = ("dynamic", "static", "continuous")
 
@@ -157,7 +157,7 @@ def table(args, results: dict) -> str:
     for batch in args.batches:
         base = results.get("dynamic", {}).get("batches", {}).get(str(batch))
         for method in args.methods:
-            r = results.get(method, {})
+            r = results.get(method, {"status": "not run", "reason": "not run"})
             if r.get("status") != "ok":
                 rows.append([str(batch), method, r.get("reason") or f"{r.get('status')}: {r.get('error', '')[:80]}",
                              "", "", "", ""])
@@ -201,6 +201,7 @@ def main(argv=None) -> int:
             log(f"{method}: running ...")
             results[method] = runner.launch(argv, f"generation-{method}", log_dir=args.log_dir, device=args.device,
                                             timeout=args.worker_timeout)
+            write_markdown(args, [table(args, results)])
     finally:
         if own_model:
             shutil.rmtree(args.model_dir, ignore_errors=True)
@@ -208,8 +209,7 @@ def main(argv=None) -> int:
     log("\n" + text + "\n")
     with open(args.json_out or os.path.join(args.log_dir, "results.json"), "w") as f:
         json.dump({"versions": versions(), "argv": sys.argv, "results": results}, f, indent=1, default=str)
-    if args.markdown_out:
-        Path(args.markdown_out).write_text(text + "\n")
+    write_markdown(args, [text])
     return 0
 
 

@@ -28,9 +28,6 @@ from typing import Any
 
 from benchmarks.builders.dpo_configs import DPORun
 
-OURS_NEW_FIELDS = ("padding_free", "share_prompt", "max_tokens_per_batch")
-
-
 def ours_config_fields() -> set[str]:
     from fusedalign.configs import DPOConfig
 
@@ -61,7 +58,8 @@ def availability(runs: list[DPORun], device: str) -> dict[str, str | None]:
     for run in runs:
         why = trl_reason if run.is_trl else None
         why = why or (liger_reason if run.liger_layers else None)
-        wanted = [f for f, on in (("padding_free", run.padding_free), ("share_prompt", run.share_prompt)) if on]
+        wanted = [f for f, on in (("padding_free", run.padding_free), ("share_prompt", run.share_prompt),
+                                  ("max_tokens_per_batch", run.token_budget)) if on]
         if not why and wanted and not set(wanted) <= fields:
             why = f"fusedalign's DPOConfig has no {', '.join(f for f in wanted if f not in fields)} yet"
         reasons[run.name] = why
@@ -188,12 +186,12 @@ def build_ours(run: DPORun, s, length, output_dir, rows, tokenizer, callback, ti
     kwargs = training_args(s, length, output_dir)
     if s.device == "cpu":
         kwargs.pop("use_cpu")  # fusedalign switches to the CPU itself when there is no accelerator
-    if run.padding_free:
-        kwargs["padding_free"] = True
-        if "max_tokens_per_batch" in ours_config_fields() and s.max_tokens_per_batch:
-            kwargs["max_tokens_per_batch"] = s.max_tokens_per_batch
-    if run.share_prompt:
-        kwargs["share_prompt"] = True
+    for flag in ("padding_free", "share_prompt"):
+        if getattr(run, flag):
+            kwargs[flag] = True
+    if run.token_budget:
+        kwargs["max_tokens_per_batch"] = s.max_tokens_per_batch
+        order = grouped_after = None  # the trainer's own token-budget micro-batches, in dataset order
     args = DPOConfig(**kwargs, fused_head=run.fused_head, liger_kernels=run.liger_layers,
                      compile_layers=run.compile_layers, max_prompt_length=None, loss_aware_head=run.loss_aware_head)
     cls = with_order(DPOTrainer, order, grouped_after)

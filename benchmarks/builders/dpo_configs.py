@@ -27,6 +27,9 @@ class DPORun:
             default); False runs the per-token head.
         padding_free: ours: DPOConfig.padding_free (rows concatenated, no padding).
         share_prompt: ours: DPOConfig.share_prompt (the prompt computed once per pair).
+        token_budget: ours, padding-free: micro-batches of whole pairs up to
+            --max_tokens_per_batch tokens (DPOConfig.max_tokens_per_batch), in the trainer's
+            own order; the pairs of an optimizer step then vary around --pairs.
         order: real-length mode only: "random" (one seeded permutation, the same for
             every configuration that asks for it) or "grouped" (TRL's
             group_by_length sampler); the fixed-length mode runs every row in order.
@@ -42,6 +45,7 @@ class DPORun:
     loss_aware_head: bool = True
     padding_free: bool = False
     share_prompt: bool = False
+    token_budget: bool = False
     order: str = "random"
     checked: bool = False
     about: str = ""
@@ -52,13 +56,14 @@ class DPORun:
         if self.order not in ("random", "grouped"):
             raise ValueError(f"{self.name}: order must be 'random' or 'grouped', got {self.order!r}")
         if self.trainer == "trl" and (self.compile_layers or self.padding_free or self.share_prompt
-                                      or not self.fused_head or not self.loss_aware_head):
-            raise ValueError(f"{self.name}: compile_layers, padding_free, share_prompt, fused_head=False and "
-                             "loss_aware_head=False are options of ours, not of TRL's DPOTrainer")
+                                      or self.token_budget or not self.fused_head or not self.loss_aware_head):
+            raise ValueError(f"{self.name}: compile_layers, padding_free, share_prompt, token_budget, "
+                             "fused_head=False and loss_aware_head=False are options of ours, not of TRL's DPOTrainer")
         if self.order == "grouped" and self.trainer != "trl":
             raise ValueError(f"{self.name}: 'grouped' order is TRL's length-grouped sampler")
-        if self.share_prompt and not self.padding_free:
-            raise ValueError(f"{self.name}: share_prompt packs the pair's rows, so it needs padding_free")
+        if (self.share_prompt or self.token_budget) and not self.padding_free:
+            raise ValueError(f"{self.name}: share_prompt and token_budget pack the pairs' rows, so they need "
+                             "padding_free")
 
     @property
     def is_trl(self) -> bool:
@@ -89,10 +94,14 @@ REAL = _table(
     DPORun("trl_liger_grouped", "trl", liger_layers=True, order="grouped",
            about="TRL + Liger, padded, train_sampling_strategy='group_by_length' over a `length` column"),
     DPORun("ours_fused_compile", "ours", compile_layers=True, about="ours, padded, random order"),
-    DPORun("ours_padding_free", "ours", compile_layers=True, padding_free=True,
+    DPORun("ours_padding_free", "ours", compile_layers=True, padding_free=True, token_budget=True,
            about="ours, padding_free=True, max_tokens_per_batch"),
-    DPORun("ours_shared_prompt", "ours", compile_layers=True, padding_free=True, share_prompt=True,
-           about="ours, padding-free with the prompt computed once per pair (share_prompt=True)"),
+    DPORun("ours_shared_prompt", "ours", compile_layers=True, padding_free=True, share_prompt=True, token_budget=True,
+           about="ours, padding-free with the prompt computed once per pair (share_prompt=True), max_tokens_per_batch"),
+    DPORun("ours_padding_free_fixed", "ours", compile_layers=True, padding_free=True,
+           about="ours, padding_free=True, --per_device_train_batch_size pairs a micro-batch (not run unless named)"),
+    DPORun("ours_shared_prompt_fixed", "ours", compile_layers=True, padding_free=True, share_prompt=True,
+           about="ours, share_prompt=True, --per_device_train_batch_size pairs a micro-batch (not run unless named)"),
 )
 
 REAL_DEFAULT = ("trl_liger", "trl_liger_grouped", "ours_fused_compile", "ours_padding_free", "ours_shared_prompt")

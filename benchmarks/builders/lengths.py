@@ -52,15 +52,14 @@ DATASETS = {
 }
 
 
-def draw(fit: LengthFit, n: int, rng) -> "np.ndarray":  # noqa: F821
-    """n lengths (ints >= 1) from the fit."""
-    import numpy as np
-
-    return np.maximum(1, np.rint(rng.lognormal(fit.mu, fit.sigma, size=n))).astype(np.int64)
+BLOCK = 1024  # pairs drawn at a time: the first n pairs are the same whatever n
 
 
 def sample_pairs(lengths: PairLengths, n: int, *, seed: int, max_length: int | None) -> dict[str, list[int]]:
     """n pairs' (prompt, chosen, rejected) lengths, truncated at max_length as TRL does.
+
+    Pairs are drawn in blocks and kept in order, so a larger n only adds pairs after the
+    first n of a smaller one (a run that needs more pairs trains the same first ones).
 
     Returns:
         {"prompt": [n], "chosen": [n], "rejected": [n], "dropped": pairs drawn and dropped
@@ -70,36 +69,44 @@ def sample_pairs(lengths: PairLengths, n: int, *, seed: int, max_length: int | N
     import numpy as np
 
     rng = np.random.default_rng(seed)
+    fits = (lengths.prompt, lengths.chosen, lengths.rejected)
     kept: dict[str, list[int]] = {"prompt": [], "chosen": [], "rejected": []}
     dropped = truncated = 0
     while len(kept["prompt"]) < n:
-        want = n - len(kept["prompt"])
-        p, c, r = (draw(fit, want, rng) for fit in (lengths.prompt, lengths.chosen, lengths.rejected))
+        z = rng.standard_normal(size=(BLOCK, 3))
+        p, c, r = (np.maximum(1, np.rint(np.exp(f.mu + f.sigma * z[:, k]))).astype(np.int64)
+                   for k, f in enumerate(fits))
         if max_length is not None:
             keep = p < max_length
-            dropped += int((~keep).sum())
             p, c, r = p[keep], c[keep], r[keep]
             room = max_length - p
-            truncated += int(((c > room) | (r > room)).sum())
+            cut = (c > room) | (r > room)
             c, r = np.minimum(c, room), np.minimum(r, room)
-        kept["prompt"] += p.tolist()
-        kept["chosen"] += c.tolist()
-        kept["rejected"] += r.tolist()
+        else:
+            keep, cut = np.ones(BLOCK, dtype=bool), np.zeros(BLOCK, dtype=bool)
+        take = min(len(p), n - len(kept["prompt"]))
+        dropped += int((~keep[:np.flatnonzero(keep)[take - 1] + 1]).sum()) if take else int((~keep).sum())
+        truncated += int(cut[:take].sum())
+        kept["prompt"] += p[:take].tolist()
+        kept["chosen"] += c[:take].tolist()
+        kept["rejected"] += r[:take].tolist()
     return {**kept, "dropped": dropped, "truncated": truncated}
 
 
 def token_rows(pairs: dict[str, list[int]], vocab: int, seed: int) -> dict[str, list[list[int]]]:
-    """Token ids of those lengths: prompt ids from the whole vocabulary, chosen from its
-    lower half, rejected from its upper half (a preference to learn); id 0 (pad/eos) never."""
+    """Token ids of those lengths, each pair from its own seeded stream (pair i's ids do not
+    depend on how many pairs there are): prompt ids from the whole vocabulary, chosen from
+    its lower half, rejected from its upper half (a preference to learn); id 0 (pad/eos) never."""
     import numpy as np
 
-    rng = np.random.default_rng([seed, 1])
     half = vocab // 2
-    return {
-        "prompt_ids": [rng.integers(1, vocab, size=k).tolist() for k in pairs["prompt"]],
-        "chosen_ids": [rng.integers(1, half, size=k).tolist() for k in pairs["chosen"]],
-        "rejected_ids": [rng.integers(half, vocab, size=k).tolist() for k in pairs["rejected"]],
-    }
+    rows: dict[str, list[list[int]]] = {"prompt_ids": [], "chosen_ids": [], "rejected_ids": []}
+    for i, (p, c, r) in enumerate(zip(pairs["prompt"], pairs["chosen"], pairs["rejected"])):
+        rng = np.random.default_rng([seed, 1, i])
+        rows["prompt_ids"].append(rng.integers(1, vocab, size=p).tolist())
+        rows["chosen_ids"].append(rng.integers(1, half, size=c).tolist())
+        rows["rejected_ids"].append(rng.integers(half, vocab, size=r).tolist())
+    return rows
 
 
 def padded_tokens(pairs: dict[str, list[int]], order: list[int], micro_batch: int) -> int:

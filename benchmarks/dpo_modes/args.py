@@ -43,8 +43,9 @@ def parser(description: str) -> argparse.ArgumentParser:
     a("--real_lengths", choices=sorted(DATASETS), default=None,
       help="preference pairs at that dataset's lengths (log-normal fits, truncated at max_length); reports "
            "pairs/s, unique tokens/s and peak memory")
-    a("--max_tokens_per_batch", type=int, default=16384,
-      help="with --real_lengths, ours padding-free: DPOConfig.max_tokens_per_batch (when it exists)")
+    a("--max_tokens_per_batch", type=int, default=8192,
+      help="with --real_lengths, ours padding-free with a token budget: DPOConfig.max_tokens_per_batch; "
+           "its steps hold about pairs / per_device_train_batch_size micro-batches of this many tokens")
     a("--max_length_search", action="store_true",
       help="with gradient checkpointing, the longest length that fits at --pairs pairs")
     a("--search_step", type=int, default=None, help="default 1024 (--tiny: 64)")

@@ -12,7 +12,7 @@ from benchmarks.harness import agreement
 from benchmarks.harness.agreement import first
 from benchmarks.harness.env import log
 from benchmarks.harness.profiling import format_profile
-from benchmarks.harness.tables import fmt, markdown, ratio
+from benchmarks.harness.tables import fmt, markdown, ratio, write_markdown
 
 LN2 = math.log(2.0)
 LABELS = {"trl_liger": "TRL+Liger", "trl": "TRL"}
@@ -35,7 +35,8 @@ def table(length: int, results: dict[str, dict], skipped: dict[str, str | None],
     for config in FIXED:
         if config not in results:
             if config in args.configs:
-                rows.append([config, f"skipped: {skipped.get(config)}"] + [""] * 6)
+                why = f"skipped: {skipped[config]}" if skipped.get(config) else "not run"
+                rows.append([config, why] + [""] * 6)
             continue
         r = results[config]
         if r["status"] != "ok":
@@ -163,6 +164,7 @@ def benchmark(args, skipped) -> tuple[dict, list[str]]:
                     + "\n" + "\n".join("  " + line for line in format_profile(r["profile"])[1:]))
         tables.append(table(length, results, skipped, args))
         log("\n" + tables[-1] + "\n")
+        write_markdown(args, tables)
         verdict = check_agreement(length, results, args)
         if verdict == "void":
             void.append(length)

@@ -19,7 +19,7 @@ from benchmarks.dpo_modes.launch import launch
 from benchmarks.harness import agreement
 from benchmarks.harness.agreement import first
 from benchmarks.harness.env import log
-from benchmarks.harness.tables import fmt, markdown, ratio
+from benchmarks.harness.tables import fmt, markdown, ratio, write_markdown
 
 
 def describe(args, length: int) -> str:
@@ -68,30 +68,33 @@ def table(length: int, results: dict[str, dict], skipped: dict, args) -> str:
         r = results.get(config)
         if r is None:
             if config in args.configs:
-                rows.append([config, f"skipped: {skipped.get(config)}"] + [""] * 6)
+                why = f"skipped: {skipped[config]}" if skipped.get(config) else "not run"
+                rows.append([config, why] + [""] * 7)
             continue
         if r["status"] != "ok":
             what = "OOM" if r["status"] == "OOM" else f"error ({r.get('error', '')[:80]})"
-            rows.append([config, what, "", "", fmt(r.get("peak_gib"), ".1f"), "", "", ""])
+            rows.append([config, what, "", "", "", fmt(r.get("peak_gib"), ".1f"), "", "", ""])
             continue
         work = r["backbone_tokens"] / r["unique_tokens"]
         rows.append([config, f"{r['pairs_per_s']:,.1f}", f"{r['unique_tokens_per_s']:,.0f}", f"{work:.2f}",
+                     f"{r['pairs_per_step']:.1f}",
                      fmt(r.get("peak_gib"), ".1f"), ", ".join(f"{x:.4f}" for x in first(r, "loss")),
                      ratio(r["pairs_per_s"], base["pairs_per_s"]) if base else "—",
                      ratio(r.get("peak_gib"), base.get("peak_gib")) if base else "—"])
-    columns = ["config", "pairs/s", "unique tok/s", "backbone tokens / unique", "peak GiB", "first losses",
-               "pairs/s vs TRL+Liger", "memory vs TRL+Liger"]
-    return title + "\n\n" + markdown(columns, rows, numeric={1, 2, 3, 4, 6, 7})
+    columns = ["config", "pairs/s", "unique tok/s", "backbone tokens / unique", "pairs/step", "peak GiB",
+               "first losses", "pairs/s vs TRL+Liger", "memory vs TRL+Liger"]
+    return title + "\n\n" + markdown(columns, rows, numeric={1, 2, 3, 4, 5, 7, 8})
 
 
 def check_agreement(length: int, results: dict[str, dict], args) -> str:
-    """Every run takes the warm-up rows in the same order: their logps must agree there.
+    """Every run with a fixed order takes the warm-up rows in the same order: their logps
+    must agree there. Token-budget runs batch the pairs their own way and are not held.
 
     The loss is held among ours only: TRL applies Liger's kernels to the policy and not
     to its reference, so its first loss is not ln 2 (see compare.check_agreement).
     """
     steps = min(3, args.warmup_steps)
-    names = [c for c in REAL if results.get(c, {}).get("status") == "ok"]
+    names = [c for c in REAL if results.get(c, {}).get("status") == "ok" and not REAL[c].token_budget]
     trl = tuple(c for c in names if REAL[c].is_trl)
     names = [c for c in names if c not in trl] + list(trl)  # ours first: the loss is compared to ours
     checks = [agreement.Check("loss", args.loss_atol, steps, skip=trl),
@@ -126,6 +129,7 @@ def real_lengths(args, skipped) -> tuple[dict, list[str]]:
                 f"{fmt(r.get('peak_gib'), '.2f')} GiB ({r['wall_s']:.0f} s)")
         else:
             log(f"  {config}: {r['status']} ({r.get('error', '')[:200]})")
+        write_markdown(args, [describe(args, length) + "\n\n" + table(length, results, skipped, args)])
     text = describe(args, length) + "\n\n" + table(length, results, skipped, args)
     if any(run.order == "grouped" for name, run in REAL.items() if name in args.configs):
         text += "\n\n" + grouping_note(args, length)

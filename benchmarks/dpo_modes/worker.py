@@ -6,11 +6,12 @@ What is measured
   between successive step ends (adds data loading and logging).
 - fixed lengths: tokens per optimizer step = every token in the step's input_ids, 2 x
   pairs x length (no padding: every sequence is at max_length exactly).
-- real lengths: pairs/s = the timed steps' pairs over their total time (steps differ in
-  cost, so a median would favour an order); unique tokens/s counts each pair once
-  (prompt + chosen + rejected); "backbone tokens" is what the configuration runs through
-  the layers (padded: each micro-batch's rows at its longest; padding-free: 2p + c + r;
-  shared prompt: p + c + r).
+- real lengths: pairs/s = the pairs of the timed steps over their total time (steps differ
+  in cost, so a median would favour an order); unique tokens/s counts each pair once
+  (prompt + chosen + rejected); "backbone tokens" is what the configuration ran through
+  the layers (its batches' input_ids, padding included). All three are counted from the
+  batches the trainer's collator made, so a token-budget trainer, whose steps hold a
+  varying number of pairs, is counted as it ran.
 - with --precompute_ref_log_probs, the reference pass (timed around the trainers' own
   precompute method) is work the run does: its time is amortised over the steps it
   serves, tok/s = tokens per step / (median step + precompute / steps).
@@ -33,28 +34,44 @@ from benchmarks.harness.profiling import MemoryPeakStep, ProfileStep, format_pro
 from benchmarks.harness.timing import Timers, device_sync, steady, step_timer
 
 
-def real_rows(args, length: int, vocab: int):
-    """Real-length rows, and the order each configuration takes them in.
+def real_rows(args, run, length: int, vocab: int):
+    """Real-length rows, and the order the configurations with a fixed order take them in.
+
+    A token-budget run gets more rows (the same first ones): its steps may hold more pairs
+    than --pairs, and its epoch must outlast the steps.
 
     Returns:
-        (rows, pairs, order): `order` is warm-up rows in order, then the timed rows in one
-        seeded permutation (the same for every configuration that takes a fixed order).
+        (rows, order): `order` is the warm-up rows in order, then the timed rows in one
+        seeded permutation (the same for every configuration that takes it).
     """
+    import math
+
     import numpy as np
 
+    fits = lengths.DATASETS[args.real_lengths]
     n = args.total_steps * args.pairs
-    pairs = lengths.sample_pairs(lengths.DATASETS[args.real_lengths], n, seed=args.seed, max_length=length)
+    pairs = lengths.sample_pairs(fits, n, seed=args.seed, max_length=length)
+    if run.token_budget:
+        per_pair = statistics.mean(p + c + r for p, c, r in zip(pairs["prompt"], pairs["chosen"], pairs["rejected"]))
+        more = math.ceil(1.5 * args.max_tokens_per_batch / (args.per_device_train_batch_size * per_pair))
+        pairs = lengths.sample_pairs(fits, n * max(2, more), seed=args.seed, max_length=length)
     warm = args.warmup_steps * args.pairs
     rest = np.random.default_rng([args.seed, 2]).permutation(np.arange(warm, n)).tolist()
-    return lengths.token_rows(pairs, vocab, args.seed), pairs, [*range(warm), *rest]
+    return lengths.token_rows(pairs, vocab, args.seed), [*range(warm), *rest]
 
 
-def backbone_tokens(run, pairs: dict, index: list[int], micro_batch: int) -> int:
-    if run.share_prompt:
-        return lengths.unique_tokens(pairs, index)
-    if run.padding_free:
-        return lengths.unique_tokens(pairs, index) + sum(pairs["prompt"][i] for i in index)
-    return lengths.padded_tokens(pairs, index, micro_batch)
+class CountingCollator:
+    """The trainer's collator, counting each micro-batch's pairs, unique tokens (prompt +
+    chosen + rejected) and backbone tokens (the batch's input_ids, padding included)."""
+
+    def __init__(self, collate):
+        self.collate, self.batches = collate, []
+
+    def __call__(self, examples):
+        out = self.collate(examples)
+        unique = sum(len(e["prompt_ids"]) + len(e["chosen_ids"]) + len(e["rejected_ids"]) for e in examples)
+        self.batches.append((len(examples), unique, int(out["input_ids"].numel())))
+        return out
 
 
 def run_worker(args) -> int:
@@ -72,9 +89,9 @@ def run_worker(args) -> int:
         set_seed(args.seed)
         tokenizer = load_tokenizer("builtin:tiny-qwen2")
         vocab = model_config(args.tiny).vocab_size
-        order = grouped_after = pairs = None
+        order = grouped_after = None
         if args.real_lengths:
-            rows, pairs, fixed = real_rows(args, length, vocab)
+            rows, fixed = real_rows(args, run, length, vocab)
             if run.order == "grouped":
                 grouped_after = args.warmup_steps * args.pairs
             else:
@@ -93,6 +110,8 @@ def run_worker(args) -> int:
         with timers("init"):
             trainer = dpo.build(run, args, length, output_dir, rows, tokenizer, callback, timers,
                                 order=order, grouped_after=grouped_after)
+        counter = CountingCollator(trainer.data_collator)
+        trainer.data_collator = counter
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         with timers("train"):
@@ -107,8 +126,7 @@ def run_worker(args) -> int:
         for hook in hooks:
             result["profile" if isinstance(hook, ProfileStep) else "memory"] = hook.result
         if args.real_lengths:
-            taken = getattr(trainer, "bench_order", None) or order
-            result.update(real_measures(args, run, pairs, taken, stats))
+            result.update(real_measures(args, counter.batches, trainer.args.gradient_accumulation_steps, stats))
         else:
             result.update(fixed_measures(args, run, length, stats, timers))
         result["status"] = "ok"
@@ -133,15 +151,14 @@ def fixed_measures(args, run, length: int, stats: dict, timers: Timers) -> dict:
                 tokens_per_s_train=steps * tokens_per_step / train_wall)
 
 
-def real_measures(args, run, pairs: dict, order: list[int] | None, stats: dict) -> dict:
-    start, stop = args.warmup_steps * args.pairs, (args.warmup_steps + args.timed_steps) * args.pairs
-    if order is None:
-        raise RuntimeError("the trainer's row order was not recorded")
-    timed = order[start:stop]
+def real_measures(args, batches: list[tuple[int, int, int]], accumulation: int, stats: dict) -> dict:
+    """Pairs and tokens of the timed steps (micro-batches [warmup, warmup + timed) x accumulation)."""
+    timed = batches[args.warmup_steps * accumulation:(args.warmup_steps + args.timed_steps) * accumulation]
+    if len(timed) != args.timed_steps * accumulation:
+        raise RuntimeError(f"collated {len(batches)} micro-batches, fewer than the {args.total_steps} x "
+                           f"{accumulation} the steps take")
     seconds = stats["total_step_s"]
-    unique = lengths.unique_tokens(pairs, timed)
-    work = backbone_tokens(run, pairs, timed, args.per_device_train_batch_size)
-    return dict(pairs_per_s=len(timed) / seconds, unique_tokens_per_s=unique / seconds,
-                unique_tokens=unique, backbone_tokens=work, timed_pairs=len(timed),
-                mean_step_s=seconds / args.timed_steps, dropped_pairs=pairs["dropped"],
-                truncated_pairs=pairs["truncated"], tokens_per_s=unique / seconds)
+    pairs, unique, work = (sum(b[i] for b in timed) for i in range(3))
+    return dict(pairs_per_s=pairs / seconds, unique_tokens_per_s=unique / seconds, tokens_per_s=unique / seconds,
+                timed_pairs=pairs, pairs_per_step=pairs / args.timed_steps, unique_tokens=unique,
+                backbone_tokens=work, mean_step_s=seconds / args.timed_steps)

@@ -27,3 +27,12 @@ def markdown(columns: list[str], rows: list[list[str]], numeric: set[int] | None
     lines = ["| " + " | ".join(columns) + " |", "|" + "|".join(rule) + "|"]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def write_markdown(args, tables: list[str]) -> None:
+    """Writes the tables so far to `args.markdown_out` (when given), so that a run cut short
+    still leaves what it measured."""
+    path = getattr(args, "markdown_out", None)
+    if path:
+        with open(path, "w") as f:
+            f.write("\n\n".join(tables) + "\n")

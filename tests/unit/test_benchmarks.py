@@ -167,7 +167,8 @@ def test_configuration_names_cited_in_docs_keep_their_options():
 @pytest.mark.parametrize("options, message", [
     (dict(trainer="trl", compile_layers=True), "options of ours"),
     (dict(trainer="ours", order="grouped"), "TRL's length-grouped"),
-    (dict(trainer="ours", share_prompt=True), "needs padding_free"),
+    (dict(trainer="ours", share_prompt=True), "need padding_free"),
+    (dict(trainer="ours", token_budget=True), "need padding_free"),
     (dict(trainer="deepspeed"), "trainer must be"),
 ])
 def test_configuration_refuses_options_its_trainer_lacks(options, message):
@@ -178,11 +179,14 @@ def test_configuration_refuses_options_its_trainer_lacks(options, message):
 def test_unavailable_ours_options_are_reported_not_dropped(monkeypatch):
     from benchmarks.builders import dpo
 
-    monkeypatch.setattr(dpo, "ours_config_fields", lambda: {"padding_free"})
+    monkeypatch.setattr(dpo, "ours_config_fields", lambda: {"padding_free", "max_tokens_per_batch"})
     reasons = dpo.availability(list(dpo_configs.REAL.values()), "cpu")
-    assert reasons["ours_padding_free"] is None
+    assert reasons["ours_padding_free"] is None and reasons["ours_padding_free_fixed"] is None
     assert reasons["ours_shared_prompt"] == "fusedalign's DPOConfig has no share_prompt yet"
     assert reasons["ours_fused_compile"] is None
+    monkeypatch.setattr(dpo, "ours_config_fields", lambda: {"padding_free"})
+    reasons = dpo.availability(list(dpo_configs.REAL.values()), "cpu")
+    assert reasons["ours_padding_free"] == "fusedalign's DPOConfig has no max_tokens_per_batch yet"
     assert "GPU" in reasons["trl_liger"] or "trl" in reasons["trl_liger"]
 
 
@@ -210,8 +214,12 @@ def test_length_sampler_truncates_as_trl_does():
     assert len(p) == 20_000 and max(p) < 256  # a prompt that fills max_length drops the pair
     assert all(a + b <= 256 and a + d <= 256 for a, b, d in zip(p, c, r))
     assert draw["dropped"] > 0 and draw["truncated"] > 0
-    # Same seed, same pairs: every configuration trains the same data.
+    # Same seed, same pairs: every configuration trains the same data, and a run that needs
+    # more pairs (a token budget) trains the same first ones.
     assert lengths.sample_pairs(fits, 20_000, seed=1, max_length=256)["chosen"] == c
+    assert lengths.sample_pairs(fits, 30_000, seed=1, max_length=256)["chosen"][:20_000] == c
+    assert lengths.token_rows(draw, 100, 0)["prompt_ids"][7] == lengths.token_rows(
+        {k: v[:10] for k, v in draw.items() if k in ("prompt", "chosen", "rejected")}, 100, 0)["prompt_ids"][7]
 
 
 def test_log_normal_fit_and_token_counts():
@@ -228,3 +236,28 @@ def test_log_normal_fit_and_token_counts():
 def test_dpo_run_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         dpo_configs.FIXED["trl"].name = "x"
+
+
+def test_real_length_measures_count_the_timed_steps_batches_as_collated():
+    import argparse
+
+    import torch
+
+    from benchmarks.dpo_modes.worker import CountingCollator, real_measures
+
+    def collate(examples):  # padded: 2 rows a pair at the longest prompt + completion
+        longest = max(len(e["prompt_ids"]) + max(len(e["chosen_ids"]), len(e["rejected_ids"])) for e in examples)
+        return {"input_ids": torch.zeros(2 * len(examples), longest)}
+
+    counter = CountingCollator(collate)
+    pair = lambda p, c, r: {"prompt_ids": [1] * p, "chosen_ids": [2] * c, "rejected_ids": [3] * r}  # noqa: E731
+    for batch in ([pair(2, 1, 1)], [pair(3, 2, 1), pair(1, 1, 1)], [pair(1, 1, 4)], [pair(5, 5, 5)]):
+        counter(batch)
+    assert counter.batches == [(1, 4, 6), (2, 9, 20), (1, 6, 10), (1, 15, 20)]
+    args = argparse.Namespace(warmup_steps=1, timed_steps=1, total_steps=2)
+    out = real_measures(args, counter.batches, accumulation=2, stats={"total_step_s": 2.0})
+    assert out["timed_pairs"] == 2 and out["unique_tokens"] == 21 and out["backbone_tokens"] == 30
+    assert out["pairs_per_s"] == 1.0 and out["unique_tokens_per_s"] == 10.5
+    with pytest.raises(RuntimeError, match="fewer than"):
+        real_measures(argparse.Namespace(warmup_steps=1, timed_steps=2, total_steps=3), counter.batches, 2,
+                      {"total_step_s": 1.0})

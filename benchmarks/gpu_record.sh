@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The GPU benchmarks of record in one command, each part bounded in time so that the
+# whole stays under 10 minutes; tables (markdown) and logs go to $OUT (default ./bench-out).
+#
+#   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+#       --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD && bash benchmarks/gpu_record.sh
+#
+# A part that runs past its limit is stopped (with its subprocesses); what it measured
+# until then is in its .md (tables are rewritten after each configuration) and its .log.
+# TINY=1 runs the same parts on the CPU with the tiny model (a check that each one starts).
+set -u
+OUT=${OUT:-$PWD/bench-out}
+MODEL=${MODEL:-/tmp/bench-model}
+if [ "${TINY:-0}" = 1 ]; then X="--device cpu --tiny"; SHAPE="tiny=True, dtype='fp32'"; else X=""; SHAPE="tiny=False, dtype='bf16'"; fi
+mkdir -p "$OUT"
+: > "$OUT/summary.txt"
+
+part() {  # part NAME SECONDS COMMAND...
+    local name=$1 limit=$2 t0=$SECONDS rc
+    shift 2
+    timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
+    rc=$?
+    echo "$name: rc=$rc after $((SECONDS - t0)) s (limit $limit s)" | tee -a "$OUT/summary.txt"
+}
+
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import benchmarks.harness.env as e; print(e.versions_line(e.versions()))"; } > "$OUT/machine.txt" 2>&1
+part model 60 python3 -c "from benchmarks.builders.model import build_model as b; print(b('$MODEL', $SHAPE, seed=0))"
+part e2e_dpo 210 python3 benchmarks/e2e_dpo.py $X --lengths 2048 4096 --configs ours_fused_compile trl_liger \
+    --model_dir "$MODEL" --log_dir "$OUT/e2e_dpo" --markdown_out "$OUT/e2e_dpo.md"
+part grpo 75 python3 benchmarks/e2e_grpo.py $X --configs trl ours --warmup_steps 1 --timed_steps 1 \
+    --model_dir "$MODEL" --log_dir "$OUT/grpo" --markdown_out "$OUT/grpo.md"
+part generation 160 python3 benchmarks/generation.py $X --batches 64 256 --repeats 1 \
+    --model_dir "$MODEL" --log_dir "$OUT/generation" --markdown_out "$OUT/generation.md"
+part real_lengths 110 python3 benchmarks/e2e_dpo.py $X --real_lengths ultrafeedback --warmup_steps 2 --timed_steps 2 \
+    --model_dir "$MODEL" --log_dir "$OUT/real_lengths" --markdown_out "$OUT/real_lengths.md"
+rm -rf "$OUT"/*/out-* "$MODEL"
+cat "$OUT/machine.txt" "$OUT/summary.txt"
+for f in e2e_dpo grpo generation real_lengths; do echo; cat "$OUT/$f.md" 2>/dev/null || tail -5 "$OUT/$f.log"; done
