@@ -27,6 +27,7 @@ commands:
   dpo          Direct Preference Optimization on preference data
   kto          Kahneman-Tversky Optimization on unpaired preference data
   sft          supervised fine-tuning (language modeling / prompt-completion)
+  grpo         Group Relative Policy Optimization on prompts, with reward functions
   plot         draw the training curves of an output dir: fusedalign plot OUTPUT_DIR
   merge        merge a LoRA adapter into its base model: fusedalign merge ADAPTER_DIR OUTPUT_DIR
   consolidate  make a sharded (FSDP2) checkpoint loadable with from_pretrained:

@@ -4,6 +4,7 @@ TRAINING_COMMANDS: dict[str, tuple[str, str]] = {
     "dpo": ("fusedalign.configs.dpo:DPOConfig", "fusedalign.trainers.dpo:DPOTrainer"),
     "kto": ("fusedalign.configs.kto:KTOConfig", "fusedalign.trainers.kto:KTOTrainer"),
     "sft": ("fusedalign.configs.sft:SFTConfig", "fusedalign.trainers.sft:SFTTrainer"),
+    "grpo": ("fusedalign.configs.grpo:GRPOConfig", "fusedalign.trainers.grpo:GRPOTrainer"),
 }
 
 

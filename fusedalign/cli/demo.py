@@ -12,7 +12,8 @@ from typing import Any
 
 DEMO_MODEL = "builtin:tiny-qwen2"
 DEMO_DATASET = "builtin:zen"
-DEMO_CONFIGS = {"dpo": "standard_preference", "kto": "standard_unpaired_preference", "sft": "standard_language_modeling"}
+DEMO_CONFIGS = {"dpo": "standard_preference", "kto": "standard_unpaired_preference", "sft": "standard_language_modeling",
+                "grpo": "standard_prompt_only"}
 
 # Learning rate, schedule and length that train the tiny model visibly in a minute or two.
 DEMO_TRAINING: dict[str, dict[str, Any]] = {
@@ -22,8 +23,13 @@ DEMO_TRAINING: dict[str, dict[str, Any]] = {
                 warmup_steps=0, beta=0.1),
     "sft": dict(learning_rate=1e-3, num_train_epochs=20, per_device_train_batch_size=8, lr_scheduler_type="constant",
                 warmup_steps=0),
+    # 8 prompts x 8 completions of 16 tokens a step: the zen_words reward roughly triples in 30 steps.
+    "grpo": dict(learning_rate=3e-3, max_steps=30, per_device_train_batch_size=64, num_generations=8,
+                 max_completion_length=16, lr_scheduler_type="constant", warmup_steps=0, reward_funcs=["zen_words"]),
 }
-DEMO_LOGGING_STEPS = {"dpo": 5, "kto": 5, "sft": 6}
+DEMO_LOGGING_STEPS = {"dpo": 5, "kto": 5, "sft": 6, "grpo": 1}
+# Commands whose demo evaluates on the embedded test split (GRPO's demo only trains).
+DEMO_EVALUATES = {"dpo": True, "kto": True, "sft": True, "grpo": False}
 # Flags that size a run: once one is given, the demo's logging interval may skip the whole run.
 _RUN_SIZE = frozenset({"logging_steps", "max_steps", "num_train_epochs", "per_device_train_batch_size",
                        "gradient_accumulation_steps"})
@@ -32,7 +38,7 @@ _RUN_SIZE = frozenset({"logging_steps", "max_steps", "num_train_epochs", "per_de
 DEMO_DEFAULTS: dict[str, dict[str, Any]] = {
     command: dict(model_name_or_path=DEMO_MODEL, dataset_name=DEMO_DATASET, dataset_config=DEMO_CONFIGS[command],
                   **DEMO_TRAINING[command], logging_steps=DEMO_LOGGING_STEPS[command], save_strategy="no",
-                  eval_strategy="epoch")
+                  eval_strategy="epoch" if DEMO_EVALUATES[command] else "no")
     for command in DEMO_CONFIGS
 }
 
@@ -41,7 +47,7 @@ def demo_defaults(command: str, given: dict[str, Any]) -> dict[str, Any]:
     """The demo's values for what the user left out; {} when a model is named.
 
     Args:
-        command: "dpo", "kto" or "sft".
+        command: "dpo", "kto", "sft" or "grpo".
         given: the destinations the user set (flags or `--config` keys) and their values.
     """
     if "model_name_or_path" in given or command not in DEMO_CONFIGS:
@@ -57,7 +63,7 @@ def demo_defaults(command: str, given: dict[str, Any]) -> dict[str, Any]:
         out["save_strategy"] = "no"
     # The embedded data has a test split; a user's file may have none.
     if builtin_data and not given.keys() & {"eval_strategy", "eval_steps"}:
-        out["eval_strategy"] = "epoch"
+        out["eval_strategy"] = "epoch" if DEMO_EVALUATES[command] else "no"
     # Logging every few steps suits the demo's length; a run the user sized logs every step.
     if builtin_data and not given.keys() & _RUN_SIZE:
         out["logging_steps"] = DEMO_LOGGING_STEPS[command]

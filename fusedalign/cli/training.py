@@ -1,4 +1,4 @@
-"""`fusedalign dpo|kto|sft`: parse, check the output directory, load, train, save, plot."""
+"""`fusedalign dpo|kto|sft|grpo`: parse, check the output directory, load, train, save, plot."""
 
 from __future__ import annotations
 
@@ -105,7 +105,7 @@ def _train_and_save(trainer: Any, args: Any, resume: str | None, guard: Interrup
 
 
 def run_training(command: str, argv: list[str]) -> int:
-    """`fusedalign dpo|kto|sft`: returns the exit code (128 + signal number when interrupted)."""
+    """`fusedalign dpo|kto|sft|grpo`: returns the exit code (128 + signal number when interrupted)."""
     from fusedalign.launch import check_launch
 
     check_launch()

@@ -40,6 +40,7 @@ TRAINER_KINDS: dict[str, tuple[str, ...]] = {
     "sft": ("language_modeling", "prompt_completion"),
     "dpo": ("preference", "implicit_preference"),
     "kto": ("unpaired_preference",),
+    "grpo": ("prompt_only", "prompt_completion"),
 }
 
 _GENERATION_MARKER = re.compile(r"{%-?\s*generation\s*-?%}")

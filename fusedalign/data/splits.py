@@ -25,8 +25,8 @@ _PREPARE = {"dpo": prepare_dpo_dataset, "kto": prepare_kto_dataset, "sft": prepa
 
 
 def is_tokenised(dataset: Any, kind: str) -> bool:
-    """Whether `dataset` already holds the token-id columns of trainer `kind`."""
-    return set(TOKENISED_COLUMNS[kind]) <= set(dataset.column_names)
+    """Whether `dataset` already holds the token-id columns of trainer `kind` (GRPO takes prompts only)."""
+    return kind in TOKENISED_COLUMNS and set(TOKENISED_COLUMNS[kind]) <= set(dataset.column_names)
 
 
 def prepare_split(kind: str, dataset: Any, tokenizer: Any, split: str, **options: Any) -> Any:

@@ -60,6 +60,20 @@ def test_dpo_demo_learns_and_writes_everything(tmp_path, capsys):
     assert "no --model_name_or_path: training builtin:tiny-qwen2 on builtin:zen/standard_preference" in capsys.readouterr().err
 
 
+@pytest.mark.slow
+def test_grpo_demo_learns_the_builtin_reward_and_writes_everything(tmp_path, capsys):
+    """`fusedalign grpo` with no flags: zen_words on the embedded prompts, 30 steps; the mean
+    reward of the last 5 steps is at least twice that of the first 5."""
+    out = tmp_path / "grpo"
+    assert main(["grpo", "--output_dir", str(out)]) == 0
+    for name in ("model.safetensors", "config.json", "tokenizer.json", "metrics.jsonl", "training_curves.png"):
+        assert (out / name).is_file(), name
+    rewards = [r["reward"] for r in _records(out) if "reward" in r]
+    assert len(rewards) == 30
+    assert sum(rewards[-5:]) / 5 >= 2 * sum(rewards[:5]) / 5, rewards
+    assert "training builtin:tiny-qwen2 on builtin:zen/standard_prompt_only" in capsys.readouterr().err
+
+
 def test_config_file_sets_defaults_and_flags_override(tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text("max_steps: 2\nbeta: 0.3\nloss_type: [sigmoid, sft]\nloss_weights: [1.0, 0.5]\nsave_strategy: 'no'\n")
