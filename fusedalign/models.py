@@ -1,8 +1,8 @@
-"""Loading models and tokenizers: ``builtin:<name>`` resources, local paths, hub ids.
+"""Loading models and tokenizers: `builtin:<name>` resources, local paths, hub ids.
 
-The builtin models are real checkpoints under ``fusedalign/resources/models/`` (config,
+The builtin models are real checkpoints under `fusedalign/resources/models/` (config,
 safetensors weights and a copy of the builtin tokenizer), so they go through the same
-``from_pretrained`` path as any other model: DeepSpeed ZeRO-3's ``zero.Init`` and FSDP2
+`from_pretrained` path as any other model: DeepSpeed ZeRO-3's `zero.Init` and FSDP2
 see a real load.
 """
 
@@ -27,17 +27,17 @@ class ModelNotFoundError(FileNotFoundError, ValueError):
 
 
 def list_builtin_models() -> list[str]:
-    """Names of the packaged models, usable as ``builtin:<name>``."""
+    """Names of the packaged models, usable as `builtin:<name>`."""
     if not MODELS_DIR.is_dir():
         return []
     return sorted(p.name for p in MODELS_DIR.iterdir() if (p / "config.json").is_file())
 
 
 def resolve_model_path(name_or_path: str | os.PathLike) -> str:
-    """Turns a model reference into what ``from_pretrained`` accepts.
+    """Turns a model reference into what `from_pretrained` accepts.
 
     Args:
-        name_or_path: ``builtin:<name>`` (a packaged tiny model), ``builtin:tokenizer``
+        name_or_path: `builtin:<name>` (a packaged tiny model), `builtin:tokenizer`
             (the packaged tokenizer alone), a local directory, or a hub id.
 
     Returns:
@@ -71,14 +71,14 @@ def resolve_model_path(name_or_path: str | os.PathLike) -> str:
 
 
 def load_tokenizer(name_or_path: str | os.PathLike, **kwargs: Any):
-    """Loads a tokenizer with ``AutoTokenizer.from_pretrained``.
+    """Loads a tokenizer with `AutoTokenizer.from_pretrained`.
 
     A tokenizer without a pad token gets its eos token as pad token, since every collator
     pads (the pad positions are masked out, so the choice does not change any loss).
 
     Args:
-        name_or_path: as for :func:`resolve_model_path`.
-        **kwargs: passed to ``AutoTokenizer.from_pretrained``.
+        name_or_path: as for `resolve_model_path`.
+        **kwargs: passed to `AutoTokenizer.from_pretrained`.
 
     Returns:
         The tokenizer.
@@ -93,13 +93,13 @@ def load_tokenizer(name_or_path: str | os.PathLike, **kwargs: Any):
 
 
 def load_model(name_or_path: str | os.PathLike, *, dtype: Any = None, **kwargs: Any):
-    """Loads a causal LM with ``AutoModelForCausalLM.from_pretrained``.
+    """Loads a causal LM with `AutoModelForCausalLM.from_pretrained`.
 
     Args:
-        name_or_path: as for :func:`resolve_model_path`.
-        dtype: a ``torch.dtype``, its name (``"bfloat16"``) or ``"auto"``; None leaves
-            ``from_pretrained``'s default. The builtin models are stored in float32.
-        **kwargs: passed to ``from_pretrained`` (``attn_implementation``, ``device_map``...).
+        name_or_path: as for `resolve_model_path`.
+        dtype: a `torch.dtype`, its name (`"bfloat16"`) or `"auto"`; None leaves
+            `from_pretrained`'s default. The builtin models are stored in float32.
+        **kwargs: passed to `from_pretrained` (`attn_implementation`, `device_map`...).
 
     Returns:
         The model.

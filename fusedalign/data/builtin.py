@@ -1,4 +1,4 @@
-"""The embedded datasets (``builtin:zen``) and a loader for any dataset reference."""
+"""The embedded datasets (`builtin:zen`) and a loader for any dataset reference."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ _LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".c
 
 
 def list_builtin_datasets() -> dict[str, list[str]]:
-    """``{name: [config, ...]}`` of the embedded datasets."""
+    """`{name: [config, ...]}` of the embedded datasets."""
     if not DATASETS_DIR.is_dir():
         return {}
     return {
@@ -27,12 +27,12 @@ def list_builtin_datasets() -> dict[str, list[str]]:
 
 
 def load_builtin_dataset(name: str, config: str | None = None, split: str = "train"):
-    """Loads an embedded dataset (JSONL in the package) as a ``datasets.Dataset``.
+    """Loads an embedded dataset (JSONL in the package) as a `datasets.Dataset`.
 
     Args:
-        name: ``"zen"`` (a ``builtin:`` prefix is accepted).
-        config: e.g. ``"standard_preference"``; required.
-        split: ``"train"`` or ``"test"``.
+        name: `"zen"` (a `builtin:` prefix is accepted).
+        config: e.g. `"standard_preference"`; required.
+        split: `"train"` or `"test"`.
 
     Raises:
         DataError: unknown name, config or split; the message lists what exists.
@@ -65,15 +65,15 @@ def load_dataset_any(name: str | os.PathLike, config: str | None = None, split: 
     """Loads a dataset from any reference the CLI accepts.
 
     Args:
-        name: ``builtin:<name>`` (embedded), a local ``.json``/``.jsonl``/``.parquet``/``.csv``
-            file, a local directory (``datasets.load_dataset`` infers its files and splits),
+        name: `builtin:<name>` (embedded), a local `.json`/`.jsonl`/`.parquet`/`.csv`
+            file, a local directory (`datasets.load_dataset` infers its files and splits),
             or a hub id.
         config: the builtin config, or the hub/directory config name.
         split: the split to return.
-        **kwargs: passed to ``datasets.load_dataset``.
+        **kwargs: passed to `datasets.load_dataset`.
 
     Returns:
-        A ``datasets.Dataset``.
+        A `datasets.Dataset`.
 
     Raises:
         DataError: unknown builtin name/config/split, a local path that does not exist, or a

@@ -1,11 +1,11 @@
 """Collators: pad tokenised rows into tensors, and position-aligned labels.
 
-Every collator pads on the right with ``pad_token_id`` and returns ``attention_mask`` (1 on
-real tokens) and ``completion_mask`` (1 on the tokens a loss is taken on). Labels are not
-built here: a trainer calls :func:`position_labels` on what it is about to score.
+Every collator pads on the right with `pad_token_id` and returns `attention_mask` (1 on
+real tokens) and `completion_mask` (1 on the tokens a loss is taken on). Labels are not
+built here: a trainer calls `position_labels` on what it is about to score.
 
 Scalar per-row values the trainer added to the dataset (precomputed reference log-probs,
-say ``ref_chosen_logps``) pass through as ``[B]`` tensors under their own names.
+say `ref_chosen_logps`) pass through as `[B]` tensors under their own names.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from .formats import DataError
 
 
 def pad(sequences: Sequence[Sequence[int]], value: int, pad_to_multiple_of: int | None = None) -> Tensor:
-    """Right-pads lists of ints into a ``[B, T]`` long tensor.
+    """Right-pads lists of ints into a `[B, T]` long tensor.
 
     Args:
         sequences: B lists of ints.
@@ -31,7 +31,7 @@ def pad(sequences: Sequence[Sequence[int]], value: int, pad_to_multiple_of: int 
         pad_to_multiple_of: round T up to a multiple of this.
 
     Returns:
-        ``[B, T]`` with T the longest length (rounded up).
+        `[B, T]` with T the longest length (rounded up).
     """
     length = max((len(s) for s in sequences), default=0)
     if pad_to_multiple_of:
@@ -47,9 +47,9 @@ def position_labels(input_ids: Tensor, completion_mask: Tensor, ignore_index: in
                     position_ids: Tensor | None = None) -> Tensor:
     """Labels aligned to positions: what each position predicts, where it is scored.
 
-    ``labels[b, t] = input_ids[b, t + 1]`` if ``completion_mask[b, t + 1]`` else
-    ``ignore_index``; the last column is ``ignore_index``. With packed rows
-    (``position_ids`` restarting at 0 per sequence), a position never predicts the first
+    `labels[b, t] = input_ids[b, t + 1]` if `completion_mask[b, t + 1]` else
+    `ignore_index`; the last column is `ignore_index`. With packed rows
+    (`position_ids` restarting at 0 per sequence), a position never predicts the first
     token of the next sequence.
 
     Args:
@@ -70,7 +70,7 @@ def position_labels(input_ids: Tensor, completion_mask: Tensor, ignore_index: in
 
 
 def row_keys(features: Sequence[Mapping], fields: Sequence[str]) -> Tensor:
-    """A 64-bit hash of each row's token lists ``fields``, ``[B]`` int64.
+    """A 64-bit hash of each row's token lists `fields`, `[B]` int64.
 
     Identifies a row by its content (the same tokens give the same key whatever the
     dataset, order or rank), so that per-row values can be stored without adding a
@@ -115,13 +115,13 @@ def _padded(ids: Sequence[Sequence[int]], masks: Sequence[Sequence[int]], pad_to
 class DPOCollator:
     """Batches DPO rows: chosen and rejected in one forward.
 
-    Input rows: ``prompt_ids, chosen_ids, rejected_ids`` (from ``tokenize_dpo_row``).
+    Input rows: `prompt_ids, chosen_ids, rejected_ids` (from `tokenize_dpo_row`).
 
     Output:
         input_ids: [2B, T] prompt + chosen for rows 0..B-1, then prompt + rejected.
         attention_mask: [2B, T].
         completion_mask: [2B, T] 1 on completion tokens.
-        row_key: [B] int64, a hash of each row's token ids (only with ``row_keys``): the key
+        row_key: [B] int64, a hash of each row's token ids (only with `row_keys`): the key
             of precomputed reference log-probs.
         plus any scalar columns as [B] tensors.
     """
@@ -143,9 +143,9 @@ class DPOCollator:
 
 @dataclass
 class KTOCollator:
-    """Batches KTO rows (the KL partners of KTO's reference point are added by ``data.kto``).
+    """Batches KTO rows (the KL partners of KTO's reference point are added by `data.kto`).
 
-    Input rows: ``prompt_ids, completion_ids, label`` (from ``tokenize_kto_row``).
+    Input rows: `prompt_ids, completion_ids, label` (from `tokenize_kto_row`).
 
     Output:
         input_ids, attention_mask, completion_mask: [B, T] prompt i + completion i.
@@ -167,21 +167,21 @@ class KTOCollator:
 
 @dataclass
 class SFTCollator:
-    """Batches SFT rows (``input_ids, completion_mask``), padded or padding-free.
+    """Batches SFT rows (`input_ids, completion_mask`), padded or padding-free.
 
-    Padded output: ``input_ids, attention_mask, completion_mask`` [B, T].
+    Padded output: `input_ids, attention_mask, completion_mask` [B, T].
 
-    Padding-free output (``padding_free=True``, and for packed rows): every row is
-    concatenated into one, ``input_ids, completion_mask, position_ids`` [1, L], with
-    ``position_ids`` restarting at 0 at each sequence (and each sequence inside a packed row)
-    and **no** ``attention_mask``: transformers then builds a block-diagonal causal mask from
-    ``position_ids`` (only when ``attention_mask`` is None and no KV cache is used, so call
-    the model with ``use_cache=False``), and no token attends across a sequence boundary.
-    Labels must come from :func:`position_labels` with these ``position_ids``;
-    ``example_ids`` [1, L] says which input row each position came from.
+    Padding-free output (`padding_free=True`, and for packed rows): every row is
+    concatenated into one, `input_ids, completion_mask, position_ids` [1, L], with
+    `position_ids` restarting at 0 at each sequence (and each sequence inside a packed row)
+    and **no** `attention_mask`: transformers then builds a block-diagonal causal mask from
+    `position_ids` (only when `attention_mask` is None and no KV cache is used, so call
+    the model with `use_cache=False`), and no token attends across a sequence boundary.
+    Labels must come from `position_labels` with these `position_ids`;
+    `example_ids` [1, L] says which input row each position came from.
 
     Raises:
-        DataError: packed rows (with ``position_ids``) in padded mode, which would let
+        DataError: packed rows (with `position_ids`) in padded mode, which would let
             packed sequences attend to each other.
     """
 

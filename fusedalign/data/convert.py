@@ -11,16 +11,16 @@ from .tokenize import extract_prompt
 def unpair_preference_dataset(dataset: Any):
     """Turns paired preference data into unpaired data for KTO.
 
-    Row i ``{prompt, chosen, rejected}`` (or implicit ``{chosen, rejected}``) becomes rows
-    2i ``{prompt, completion: chosen, label: True}`` and 2i+1 ``{prompt, completion:
-    rejected, label: False}``; standard or conversational as the input. Other columns are
+    Row i `{prompt, chosen, rejected}` (or implicit `{chosen, rejected}`) becomes rows
+    2i `{prompt, completion: chosen, label: True}` and 2i+1 `{prompt, completion:
+    rejected, label: False}`; standard or conversational as the input. Other columns are
     dropped.
 
     Args:
-        dataset: a ``datasets.Dataset`` in preference or implicit-preference format.
+        dataset: a `datasets.Dataset` in preference or implicit-preference format.
 
     Returns:
-        A ``datasets.Dataset`` in unpaired-preference format, twice as long.
+        A `datasets.Dataset` in unpaired-preference format, twice as long.
 
     Raises:
         DataError: the dataset is not paired preference data, or an implicit prompt cannot

@@ -6,14 +6,14 @@ The formats and column names are TRL's:
 kind                    columns                          trainers
 ======================  ===============================  ==========================
 language_modeling       text (standard) / messages       SFT
-prompt_only             prompt                           (generation)
+prompt_only             prompt                           GRPO
 prompt_completion       prompt, completion               SFT
 preference              prompt, chosen, rejected         DPO
 implicit_preference     chosen, rejected                 DPO
 unpaired_preference     prompt, completion, label        KTO
 ======================  ===============================  ==========================
 
-Each is *standard* (strings) or *conversational* (lists of ``{"role", "content"}``
+Each is *standard* (strings) or *conversational* (lists of `{"role", "content"}`
 messages, rendered with the tokenizer's chat template). Columns outside the table are
 ignored; a table column that does not belong to the detected format is an error, since it
 means the data was meant for something else.
@@ -74,7 +74,7 @@ class DataFormat(NamedTuple):
     """A dataset's format.
 
     Attributes:
-        kind: one of the keys of ``KIND_COLUMNS``.
+        kind: one of the keys of `KIND_COLUMNS`.
         conversational: rows hold message lists rather than strings.
     """
 
@@ -90,12 +90,12 @@ class DataFormat(NamedTuple):
 
     @property
     def text_columns(self) -> tuple[str, ...]:
-        """The columns holding strings or message lists (all but ``label``)."""
+        """The columns holding strings or message lists (all but `label`)."""
         return tuple(c for c in self.columns if c != "label")
 
     @property
     def name(self) -> str:
-        """TRL's config name, e.g. ``conversational_implicit_prompt_preference``."""
+        """TRL's config name, e.g. `conversational_implicit_prompt_preference`."""
         kind = "implicit_prompt_preference" if self.kind == "implicit_preference" else self.kind
         return ("conversational_" if self.conversational else "standard_") + kind
 
@@ -127,10 +127,10 @@ def detect_format(data: Any, expected: Iterable[str] | str | None = None) -> Dat
     """Detects a dataset's format from its columns and first row.
 
     Args:
-        data: a ``datasets.Dataset`` (columns and first row are read), a row (a mapping), or
-            an iterable of column names (then only ``messages`` marks conversational data).
+        data: a `datasets.Dataset` (columns and first row are read), a row (a mapping), or
+            an iterable of column names (then only `messages` marks conversational data).
         expected: the kinds the caller accepts (a kind or an iterable of kinds), or a
-            trainer name (``"sft"``, ``"dpo"``, ``"kto"``); None accepts any kind.
+            trainer name (`"sft"`, `"dpo"`, `"kto"`, `"grpo"`); None accepts any kind.
 
     Returns:
         The format.
@@ -208,8 +208,8 @@ def check_messages(value: Any, index: int | None, column: str, *, completion: bo
             prompt column): it must start with an assistant message.
 
     Raises:
-        DataError: the cell is not a non-empty list of ``{"role": str, "content": str}``
-            messages, a role is not one of ``CHAT_ROLES`` (or, in a completion, not the
+        DataError: the cell is not a non-empty list of `{"role": str, "content": str}`
+            messages, a role is not one of `CHAT_ROLES` (or, in a completion, not the
             assistant's), or all its contents are empty.
     """
     where = f"{row_name(index)}, column {column!r}"
@@ -240,12 +240,12 @@ def check_row(row: Mapping, index: int | None, fmt: DataFormat) -> None:
     Args:
         row: the row.
         index: its index in the dataset, from 0 (for the error message).
-        fmt: the dataset's format, from :func:`detect_format`.
+        fmt: the dataset's format, from `detect_format`.
 
     Raises:
         DataError: naming the row, the column and what was expected, for a missing value, an
             empty string, a string where messages were expected (or the reverse), malformed
-            messages, or a non-boolean ``label``.
+            messages, or a non-boolean `label`.
     """
     for column in fmt.text_columns:
         if column not in row:
@@ -272,7 +272,7 @@ def check_row(row: Mapping, index: int | None, fmt: DataFormat) -> None:
 
 
 def has_generation_markers(tokenizer: Any) -> bool:
-    """Whether the tokenizer's chat template marks assistant turns with ``{% generation %}``."""
+    """Whether the tokenizer's chat template marks assistant turns with `{% generation %}`."""
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, dict):
         template = template.get("default")
@@ -284,7 +284,7 @@ def check_tokenizer(tokenizer: Any, fmt: DataFormat, *, assistant_only_loss: boo
 
     Raises:
         DataError: conversational data with a tokenizer that has no chat template, or
-            ``assistant_only_loss`` without ``{% generation %}`` markers in the template.
+            `assistant_only_loss` without `{% generation %}` markers in the template.
     """
     if fmt.conversational and not getattr(tokenizer, "chat_template", None):
         raise DataError(
@@ -315,18 +315,18 @@ def validate_dataset(
     """Validates a whole dataset before training: columns, tokenizer, then every row.
 
     Args:
-        dataset: a ``datasets.Dataset`` (or a list of rows).
-        expected: accepted kinds or a trainer name, as for :func:`detect_format`.
-        tokenizer: if given, checked with :func:`check_tokenizer`.
+        dataset: a `datasets.Dataset` (or a list of rows).
+        expected: accepted kinds or a trainer name, as for `detect_format`.
+        tokenizer: if given, checked with `check_tokenizer`.
         assistant_only_loss: also require generation markers in the chat template.
-        check_rows: run :func:`check_row` over every row (the ``prepare_*`` functions do it
+        check_rows: run `check_row` over every row (the `prepare_*` functions do it
             while tokenising instead).
 
     Returns:
         The dataset's format.
 
     Raises:
-        DataError: see :func:`detect_format`, :func:`check_tokenizer`, :func:`check_row`.
+        DataError: see `detect_format`, `check_tokenizer`, `check_row`.
     """
     if isinstance(dataset, list):
         if not dataset:

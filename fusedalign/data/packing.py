@@ -26,20 +26,20 @@ def _bins(lengths: Sequence[int], max_length: int) -> list[list[int]]:
 
 
 def pack_sequences(examples: Sequence[Mapping[str, Any]], max_length: int) -> list[dict]:
-    """Packs tokenised sequences into rows of at most ``max_length`` tokens.
+    """Packs tokenised sequences into rows of at most `max_length` tokens.
 
     Args:
-        examples: rows with ``input_ids`` and, optionally, ``completion_mask`` (all ones if
+        examples: rows with `input_ids` and, optionally, `completion_mask` (all ones if
             absent); other keys are dropped.
         max_length: the most tokens in a packed row.
 
     Returns:
-        One dict per packed row: ``input_ids``, ``completion_mask``, ``position_ids``
-        (restarting at 0 at each sequence) and ``seq_lengths``, for
-        ``SFTCollator(padding_free=True)``.
+        One dict per packed row: `input_ids`, `completion_mask`, `position_ids`
+        (restarting at 0 at each sequence) and `seq_lengths`, for
+        `SFTCollator(padding_free=True)`.
 
     Raises:
-        ValueError: a sequence is empty or longer than ``max_length`` (truncate first).
+        ValueError: a sequence is empty or longer than `max_length` (truncate first).
     """
     lengths = [len(e["input_ids"]) for e in examples]
     for i, n in enumerate(lengths):
@@ -63,7 +63,7 @@ def pack_sequences(examples: Sequence[Mapping[str, Any]], max_length: int) -> li
 
 
 def pack_dataset(dataset: Any, max_length: int):
-    """:func:`pack_sequences` over a ``datasets.Dataset``; returns a new ``Dataset``."""
+    """`pack_sequences` over a `datasets.Dataset`; returns a new `Dataset`."""
     from datasets import Dataset
 
     columns = [c for c in ("input_ids", "completion_mask") if c in dataset.column_names]

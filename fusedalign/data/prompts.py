@@ -31,7 +31,7 @@ def prepare_prompt_dataset(dataset: Any, tokenizer: Any, *, max_prompt_length: i
     """Validates and tokenises a prompt dataset for GRPO.
 
     Returns:
-        (dataset with its columns plus ``prompt_ids`` and ``row_index``, :class:`TokenizeStats`).
+        (dataset with its columns plus `prompt_ids` and `row_index`, `TokenizeStats`).
 
     Raises:
         DataError: no `prompt` column, another format's columns, a bad row, a column that

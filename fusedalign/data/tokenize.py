@@ -1,14 +1,14 @@
 """Tokenisation for each trainer.
 
-Row functions (``tokenize_dpo_row``, ``tokenize_kto_row``, ``tokenize_sft_row``) take one
-row and return plain lists of token ids, so they work with ``Dataset.map``; each checks its
-row first (:func:`~fusedalign.data.formats.check_row`). The ``prepare_*`` wrappers validate
+Row functions (`tokenize_dpo_row`, `tokenize_kto_row`, `tokenize_sft_row`) take one
+row and return plain lists of token ids, so they work with `Dataset.map`; each checks its
+row first (`fusedalign.data.formats.check_row`). The `prepare_*` wrappers validate
 the whole dataset's columns and the tokenizer, map the row function over it, and count the
 rows that were truncated, so that every data error surfaces before training starts.
 
 Standard rows: the prompt is tokenised with the tokenizer's special tokens (a BOS where the
 tokenizer adds one), each completion without, followed by EOS. Conversational rows: the
-prompt is rendered with the chat template and ``add_generation_prompt=True``; a completion
+prompt is rendered with the chat template and `add_generation_prompt=True`; a completion
 is the rendered conversation (prompt + completion messages) minus that prefix, which must
 be a token-level prefix (checked; an error otherwise).
 """
@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 
 class TokenizeStats(NamedTuple):
-    """What a ``prepare_*`` function did.
+    """What a `prepare_*` function did.
 
     Attributes:
         format: the detected dataset format.
@@ -105,13 +105,13 @@ def truncate_pair(
 ) -> tuple[list[int], list[list[int]], bool]:
     """Truncates a prompt and the completions that share it.
 
-    In order: the prompt keeps its last ``max_prompt_length`` tokens; each completion its
-    first ``max_completion_length``; then, if prompt + the longest completion exceeds
-    ``max_length``, as TRL's ``truncation_mode``: ``"keep_end"`` drops tokens from the
+    In order: the prompt keeps its last `max_prompt_length` tokens; each completion its
+    first `max_completion_length`; then, if prompt + the longest completion exceeds
+    `max_length`, as TRL's `truncation_mode`: `"keep_end"` drops tokens from the
     start of the prompt (then, if a completion alone is too long, from that completion's
-    start); ``"keep_start"`` drops tokens from the end of the completions (and of the prompt
+    start); `"keep_start"` drops tokens from the end of the completions (and of the prompt
     if it alone is too long, leaving no completion). The prompt stays shared, so with
-    ``"keep_end"`` a shorter completion may lose more prompt than it strictly needed to.
+    `"keep_end"` a shorter completion may lose more prompt than it strictly needed to.
 
     Returns:
         (prompt ids, completion ids, whether anything was cut).
@@ -139,9 +139,9 @@ def truncate_pair(
 def extract_prompt(row: Mapping, index: int | None = None) -> dict:
     """Splits an implicit-prompt preference row into prompt, chosen and rejected.
 
-    The prompt is the longest common prefix of ``chosen`` and ``rejected``: whole messages
+    The prompt is the longest common prefix of `chosen` and `rejected`: whole messages
     for conversational rows; for strings, cut back to a whitespace boundary so that each
-    completion starts with its separator (as ``" ugly."`` after ``"... better than"``).
+    completion starts with its separator (as `" ugly."` after `"... better than"`).
 
     Raises:
         DataError: chosen equals rejected, no common prefix, or nothing left of a completion.
@@ -210,15 +210,15 @@ def tokenize_dpo_row(
     """Tokenises a preference row (explicit or implicit prompt, standard or conversational).
 
     Args:
-        row: ``{prompt, chosen, rejected}`` or ``{chosen, rejected}``.
+        row: `{prompt, chosen, rejected}` or `{chosen, rejected}`.
         tokenizer: a tokenizer (with a chat template for conversational rows).
         max_prompt_length, max_completion_length, max_length, truncation_mode: see
-            :func:`truncate_pair`.
+            `truncate_pair`.
         index: the row's index, for error messages.
         fmt: the dataset format (detected from the row if None).
 
     Returns:
-        ``{"prompt_ids", "chosen_ids", "rejected_ids": list[int], "truncated": bool}``.
+        `{"prompt_ids", "chosen_ids", "rejected_ids": list[int], "truncated": bool}`.
     """
     fmt = _row_format(row, fmt, "dpo")
     check_row(row, index, fmt)
@@ -245,10 +245,10 @@ def tokenize_kto_row(
     index: int | None = None,
     fmt: DataFormat | None = None,
 ) -> dict:
-    """Tokenises an unpaired preference row ``{prompt, completion, label}``.
+    """Tokenises an unpaired preference row `{prompt, completion, label}`.
 
     Returns:
-        ``{"prompt_ids", "completion_ids": list[int], "label": bool, "truncated": bool}``.
+        `{"prompt_ids", "completion_ids": list[int], "label": bool, "truncated": bool}`.
     """
     fmt = _row_format(row, fmt, "kto")
     check_row(row, index, fmt)
@@ -275,16 +275,16 @@ def tokenize_sft_row(
 ) -> dict:
     """Tokenises a language-modeling or prompt-completion row for SFT.
 
-    ``completion_mask`` marks the tokens the loss is taken on: every token for language
-    modeling; for prompt-completion data, the completion only if ``completion_only_loss``
-    (else every token); with ``assistant_only_loss`` (conversational data), only tokens
-    inside the template's ``{% generation %}`` markers (intersected with the above).
+    `completion_mask` marks the tokens the loss is taken on: every token for language
+    modeling; for prompt-completion data, the completion only if `completion_only_loss`
+    (else every token); with `assistant_only_loss` (conversational data), only tokens
+    inside the template's `{% generation %}` markers (intersected with the above).
 
     Args:
-        max_length: keep the first (``"keep_start"``) or last (``"keep_end"``) tokens.
+        max_length: keep the first (`"keep_start"`) or last (`"keep_end"`) tokens.
 
     Returns:
-        ``{"input_ids", "completion_mask": list[int], "truncated": bool}``.
+        `{"input_ids", "completion_mask": list[int], "truncated": bool}`.
     """
     _check_mode(truncation_mode)
     fmt = _row_format(row, fmt, "sft")
@@ -326,10 +326,10 @@ def tokenize_sft_row(
 def tokenize_prompt_row(row: Mapping, tokenizer: Any, *, max_prompt_length: int | None = None,
                         index: int | None = None, fmt: DataFormat | None = None) -> dict:
     """Tokenises a prompt-only row (for generation); conversational prompts get the
-    generation prompt appended. Keeps the last ``max_prompt_length`` tokens.
+    generation prompt appended. Keeps the last `max_prompt_length` tokens.
 
     Returns:
-        ``{"prompt_ids": list[int], "truncated": bool}``.
+        `{"prompt_ids": list[int], "truncated": bool}`.
     """
     fmt = _row_format(row, fmt, ("prompt_only",))
     check_row(row, index, fmt)
@@ -385,7 +385,7 @@ def prepare_dpo_dataset(dataset: Any, tokenizer: Any, *, max_prompt_length: int 
     """Validates and tokenises a preference dataset for DPO.
 
     Returns:
-        (dataset with columns ``prompt_ids, chosen_ids, rejected_ids``, :class:`TokenizeStats`).
+        (dataset with columns `prompt_ids, chosen_ids, rejected_ids`, `TokenizeStats`).
 
     Raises:
         DataError: bad columns, rows or tokenizer (before any training).
@@ -402,7 +402,7 @@ def prepare_kto_dataset(dataset: Any, tokenizer: Any, *, max_prompt_length: int 
     """Validates and tokenises an unpaired preference dataset for KTO.
 
     Returns:
-        (dataset with columns ``prompt_ids, completion_ids, label``, :class:`TokenizeStats`).
+        (dataset with columns `prompt_ids, completion_ids, label`, `TokenizeStats`).
     """
     _check_mode(truncation_mode)
     return _prepare(dataset, tokenizer, "kto", tokenize_kto_row, map_kwargs=map_kwargs,
@@ -416,7 +416,7 @@ def prepare_sft_dataset(dataset: Any, tokenizer: Any, *, completion_only_loss: b
     """Validates and tokenises a language-modeling or prompt-completion dataset for SFT.
 
     Returns:
-        (dataset with columns ``input_ids, completion_mask``, :class:`TokenizeStats`).
+        (dataset with columns `input_ids, completion_mask`, `TokenizeStats`).
     """
     _check_mode(truncation_mode)
     return _prepare(dataset, tokenizer, "sft", tokenize_sft_row, map_kwargs=map_kwargs,

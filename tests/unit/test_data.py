@@ -378,8 +378,9 @@ def test_prompt_only(tok):
     assert tokenize_prompt_row({"prompt": "Now is better"}, tok, max_prompt_length=1)["prompt_ids"] == \
         ids(tok, "Now is better", special=True)[-1:]
     assert detect_format({"prompt": "a"}, "prompt_only") == DataFormat("prompt_only", False)
+    assert detect_format({"prompt": "a"}, "grpo") == DataFormat("prompt_only", False)  # GRPO reads prompts
     with pytest.raises(ValueError, match="unknown format kind"):
-        detect_format({"prompt": "a"}, "grpo")
+        detect_format({"prompt": "a"}, "ppo")
 
 
 def test_sft_language_modeling(tok):
