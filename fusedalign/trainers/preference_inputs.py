@@ -124,24 +124,29 @@ class MicroBatches:
     def __init__(self, args: Any, row_tokens: Callable[[Mapping], int], padded_length: Callable[[Mapping], int]):
         self.args, self.row_tokens, self.padded_length = args, row_tokens, padded_length
         self.budget: TokenBudgetBatchSampler | None = None
+        self._planned_for: Any = None  # the dataset the plan was made for
 
     @property
     def seed(self) -> int:
         return self.args.data_seed if self.args.data_seed is not None else self.args.seed
 
     def plan(self, dataset: Any, num_processes: int) -> None:
-        """Plans the token-budget micro-batches once (at init: a row over the budget raises DataError)."""
+        """Plans the token-budget micro-batches of `dataset` once (called at init, so that a row over
+        the budget is refused before training: DataError naming it)."""
         if self.args.max_tokens_per_batch is None or dataset is None:
             return
         self.budget = TokenBudgetBatchSampler(
             [self.row_tokens(row) for row in dataset], self.args.max_tokens_per_batch, num_processes=num_processes,
             seed=self.seed, shuffle=self.args.train_sampling_strategy != "sequential",
         )
+        self._planned_for = dataset
 
     def train_dataloader(self, trainer: Any) -> DataLoader | None:
         """The token-budget DataLoader, prepared by accelerate (None without a budget)."""
-        if self.budget is None:
+        if self.args.max_tokens_per_batch is None:
             return None
+        if self._planned_for is not trainer.train_dataset:  # a dataset given after init
+            self.plan(trainer.train_dataset, trainer.accelerator.num_processes)
         args = trainer.args
         workers = {}
         if args.dataloader_num_workers:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from fusedalign.attention import attention_inputs
 from fusedalign.data import DPOCollator, DataError, position_labels, truncate_pair
+from fusedalign.data.kto import KLPairCollator
 from fusedalign.data.preference_batches import (
     PackedDPOCollator,
     PackedKTOCollator,
@@ -263,6 +264,7 @@ def test_layout_labels_and_bookkeeping(share):
     assert batch["sequence_pair"].tolist() == list(range(b)) * 2
     assert batch["sequence_role"].tolist() == [0] * b + [1] * b
     assert batch["pair_tokens"].tolist() == [dpo_row_tokens(r, share) for r in rows]
+    assert batch["sequence_tokens"].tolist() == padded["attention_mask"].sum(-1).tolist()  # num_tokens, any layout
     assert batch["input_ids"].shape[1] == sum(batch["pair_tokens"].tolist())
     assert valid_pairs(batch).tolist() == [bool(r["chosen_ids"]) and bool(r["rejected_ids"]) for r in rows]
     pair = rows[0]  # a 9-token prompt, one-token completions
@@ -319,6 +321,14 @@ def test_collator_passes_scalar_columns_and_refuses_bad_rows():
     rows = [dict(r, index=i, ref_chosen_logps=-1.5 * i) for i, r in enumerate(ROWS["uneven"][:3])]
     batch = PackedDPOCollator(share_prompt=True)(rows)
     assert batch["index"].tolist() == [0, 1, 2] and batch["ref_chosen_logps"].tolist() == [0.0, -1.5, -3.0]
+    assert "row_key" not in batch
+    # Row keys (precomputed reference log-probs) are the padded collators' own, so one store serves both.
+    keyed = PackedDPOCollator(share_prompt=True, row_keys=True)(rows)["row_key"]
+    assert torch.equal(keyed, DPOCollator(0, row_keys=True)(rows)["row_key"]) and len(set(keyed.tolist())) == 3
+    kto_rows = [{"prompt_ids": r["prompt_ids"], "completion_ids": r["chosen_ids"], "kl_completion_ids": r["rejected_ids"],
+                 "label": True} for r in rows]
+    assert torch.equal(PackedKTOCollator(row_keys=True)(kto_rows)["row_key"],
+                       KLPairCollator(0, row_keys=True)(kto_rows)["row_key"])
     with pytest.raises(DataError, match="row 1: missing column 'rejected_ids'"):
         preference_batch([rows[0], {"prompt_ids": [1], "chosen_ids": [2]}])
     with pytest.raises(DataError, match="at least one row"):
