@@ -38,7 +38,7 @@ from benchmarks.builders.model import build_model, model_config  # noqa: E402
 from benchmarks.harness import runner  # noqa: E402
 from benchmarks.harness.env import gpu_info, log, versions, versions_line  # noqa: E402
 from benchmarks.harness.tables import fmt, markdown, ratio, write_markdown  # noqa: E402
-from benchmarks.harness.timing import Timers, device_sync, steady, step_timer  # noqa: E402
+from benchmarks.harness.timing import Timers, device_sync, steady, step_timer, time_from_batch_fetch  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -121,6 +121,7 @@ def run_worker(args) -> int:
         with timers("init"):
             trainer = grpo.build(run, args, output_dir, grpo.prompt_rows(args, vocab),
                                  load_tokenizer("builtin:tiny-qwen2"), callback, timers, vocab)
+        time_from_batch_fetch(trainer, callback)
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         trainer.train()

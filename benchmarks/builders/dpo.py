@@ -137,8 +137,7 @@ def training_args(s, length: int, output_dir: str) -> dict[str, Any]:
 
 def with_order(trainer_class, order: list[int] | None, grouped_after: int | None):
     """`trainer_class` whose training sampler yields `order`, or (grouped_after=W) the
-    first W rows in order and then the rest as the Trainer's own sampler orders them;
-    the order taken is kept as `trainer.bench_order`."""
+    first W rows in order and then the rest as the Trainer's own sampler orders them."""
     if order is None and grouped_after is None:
         return trainer_class
     from torch.utils.data import Sampler
@@ -161,7 +160,6 @@ def with_order(trainer_class, order: list[int] | None, grouped_after: int | None
             else:
                 rest = super()._get_train_sampler(dataset.select(range(grouped_after, len(dataset))))
                 sampler = FixedOrder([*range(grouped_after), *(grouped_after + int(i) for i in rest)])
-            self.bench_order = sampler.indices  # the order this run took, for its token counts
             return sampler
 
     Ordered.__name__ = f"Ordered{trainer_class.__name__}"

@@ -2,7 +2,8 @@
 
 Both get the same prompts (token ids drawn from the seed, `prompt_length` each; the text
 tokenisation is bypassed as for DPO: TRL through a subclass whose `_tokenize_prompts`
-looks the ids up by the row's key, ours through a tokenised `prompt_ids` column), the
+looks the ids up by the row's key, ours through a subclass whose `_prepare_split` takes
+the `prompt_ids` and `row_index` columns its prompt tokenisation would have made), the
 same lengths and the same deterministic reward, and both are configured with TRL's
 argument names: num_generations, max_completion_length, per_device_train_batch_size
 (completions per micro-batch), gradient_accumulation_steps, steps_per_generation, beta,
@@ -133,10 +134,15 @@ def build_ours(run, s, output_dir, prompts, tokenizer, callback, timers, reward)
     from fusedalign.configs.grpo import GRPOConfig
     from fusedalign.trainers.grpo import GRPOTrainer
 
+    class BenchGRPOTrainer(GRPOTrainer):
+        def _prepare_split(self, dataset, tokenizer, args):
+            self.conversational = False
+            return dataset  # the columns its prompt tokenisation makes, already there: prompt_ids, row_index
+
     args = GRPOConfig(**grpo_args(s, output_dir))
-    trainer = GRPOTrainer(model=s.model_dir, reward_funcs=[reward], args=args,
-                          train_dataset=Dataset.from_dict({"prompt_ids": prompts}), processing_class=tokenizer,
-                          callbacks=[callback])
+    rows = {"prompt": [str(i) for i in range(len(prompts))], "prompt_ids": prompts, "row_index": list(range(len(prompts)))}
+    trainer = BenchGRPOTrainer(model=s.model_dir, reward_funcs=[reward], args=args, train_dataset=Dataset.from_dict(rows),
+                               processing_class=tokenizer, callbacks=[callback])
     generator = getattr(trainer, "generator", None)
     if generator is not None and hasattr(generator, "generate"):
         generate = generator.generate

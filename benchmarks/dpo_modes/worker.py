@@ -1,9 +1,10 @@
 """One DPO run in this process (`e2e_dpo.py --worker CONFIG`): build, train, measure.
 
 What is measured
-- step time: between on_step_begin and on_step_end of a TrainerCallback, each after a
-  synchronize; "tok/s" uses the median over the timed steps, "tok/s loop" the median time
-  between successive step ends (adds data loading and logging).
+- step time: from the Trainer's fetch of the step's micro-batches (where ours runs its
+  reference forwards) to on_step_end, each after a synchronize (harness/timing.py);
+  "tok/s" uses the median over the timed steps, "tok/s loop" the median time between
+  successive step ends (adds logging).
 - fixed lengths: tokens per optimizer step = every token in the step's input_ids, 2 x
   pairs x length (no padding: every sequence is at max_length exactly).
 - real lengths: pairs/s = the pairs of the timed steps over their total time (steps differ
@@ -31,7 +32,7 @@ from benchmarks.dpo_modes.memory import log_memory
 from benchmarks.harness import runner
 from benchmarks.harness.env import log
 from benchmarks.harness.profiling import MemoryPeakStep, ProfileStep, format_profile
-from benchmarks.harness.timing import Timers, device_sync, steady, step_timer
+from benchmarks.harness.timing import Timers, device_sync, steady, step_timer, time_from_batch_fetch
 
 
 def real_rows(args, run, length: int, vocab: int):
@@ -110,6 +111,7 @@ def run_worker(args) -> int:
         with timers("init"):
             trainer = dpo.build(run, args, length, output_dir, rows, tokenizer, callback, timers,
                                 order=order, grouped_after=grouped_after)
+        time_from_batch_fetch(trainer, callback)
         counter = CountingCollator(trainer.data_collator)
         trainer.data_collator = counter
         if cuda:

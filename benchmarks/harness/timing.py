@@ -1,9 +1,14 @@
 """Step times of a `transformers.Trainer` run, each read after a synchronize.
 
-`StepTimer` is a TrainerCallback: `on_step_begin` and `on_step_end` synchronize the
-device and read the clock, so a step's time is its GPU work, not the time the host took
-to queue it. `steady(...)` summarises the steps after warm-up (the first steps hold
-compilation, cuDNN autotuning and allocator growth).
+`StepTimer` is a TrainerCallback: a step starts when the Trainer fetches the step's
+micro-batches (`get_batch_samples`, wrapped by `time_from_batch_fetch`) or, for a trainer
+not wrapped, at `on_step_begin`, and ends at `on_step_end`; each clock read follows a
+synchronize, so a step's time is its GPU work, not the time the host took to queue it.
+The start is the fetch because transformers calls `get_batch_samples` before
+`on_step_begin`, and fusedalign's trainers prepare the step there (DPO's reference
+forwards, GRPO's generation): timed from `on_step_begin`, that work would be missed.
+`steady(...)` summarises the steps after warm-up (the first steps hold compilation,
+cuDNN autotuning and allocator growth).
 """
 
 from __future__ import annotations
@@ -60,11 +65,19 @@ def step_timer(sync: Callable[[], None], hooks: list | None = None):
             self.logs: list[dict] = []
             self.hooks = list(hooks or [])
 
-        def on_step_begin(self, args, state, control, **kwargs):
+        def start(self) -> None:
+            """The step starts now (a fetch with no step after it is started again)."""
             sync()
-            for hook in self.hooks:
-                hook.begin(len(self.begin))
+            if len(self.begin) > len(self.end):
+                self.begin.pop()
+            else:
+                for hook in self.hooks:
+                    hook.begin(len(self.begin))
             self.begin.append(time.perf_counter())
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if len(self.begin) == len(self.end):  # not started at the batch fetch
+                self.start()
 
         def on_step_end(self, args, state, control, **kwargs):
             sync()
@@ -94,3 +107,14 @@ def steady(begin: list[float], end: list[float], warmup: int, timed: int) -> dic
     loops = [end[i] - end[i - 1] for i in range(max(warmup, 1), stop)] or steps
     return {"step_times": steps, "median_step_s": statistics.median(steps), "total_step_s": sum(steps),
             "median_loop_s": statistics.median(loops)}
+
+
+def time_from_batch_fetch(trainer, timer) -> None:
+    """Starts each step of `timer` (a `step_timer`) when `trainer` fetches its micro-batches."""
+    fetch = trainer.get_batch_samples
+
+    def timed_fetch(*args, **kwargs):
+        timer.start()
+        return fetch(*args, **kwargs)
+
+    trainer.get_batch_samples = timed_fetch

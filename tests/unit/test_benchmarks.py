@@ -155,7 +155,8 @@ def test_configuration_names_cited_in_docs_keep_their_options():
     fixed = dpo_configs.FIXED
     assert list(fixed) == ["ours_fused", "ours_fused_liger", "ours_fused_compile", "ours_fused_compile_liger",
                            "ours_fused_compile_pertoken", "ours_unfused", "trl", "trl_liger"]
-    assert fixed["ours_fused_compile_pertoken"].compile_layers and not fixed["ours_fused_compile_pertoken"].loss_aware_head
+    pertoken = fixed["ours_fused_compile_pertoken"]
+    assert pertoken.compile_layers and not pertoken.loss_aware_head
     assert not fixed["ours_unfused"].fused_head and fixed["trl_liger"].liger_layers and fixed["trl"].is_trl
     assert {c for c, r in fixed.items() if r.checked} == {"ours_fused", "ours_fused_compile",
                                                            "ours_fused_compile_pertoken", "ours_unfused", "trl"}
@@ -261,3 +262,26 @@ def test_real_length_measures_count_the_timed_steps_batches_as_collated():
     with pytest.raises(RuntimeError, match="fewer than"):
         real_measures(argparse.Namespace(warmup_steps=1, timed_steps=2, total_steps=3), counter.batches, 2,
                       {"total_step_s": 1.0})
+
+
+def test_step_clock_starts_when_the_trainer_fetches_the_steps_batches():
+    # fusedalign's trainers run the reference forwards (DPO) and generation (GRPO) while the
+    # Trainer fetches a step's micro-batches, before on_step_begin: the clock must see them.
+    import time
+
+    from benchmarks.harness.timing import step_timer, time_from_batch_fetch
+
+    class Trainer:
+        def get_batch_samples(self, *args):
+            time.sleep(0.05)  # the step's preparation
+            return [], 0
+
+    trainer, timer = Trainer(), step_timer(lambda: None)
+    time_from_batch_fetch(trainer, timer)
+    trainer.get_batch_samples()
+    timer.on_step_begin(None, None, None)
+    timer.on_step_end(None, None, None)
+    timer.on_step_begin(None, None, None)  # a step with no fetch starts here
+    timer.on_step_end(None, None, None)
+    assert len(timer.begin) == len(timer.end) == 2
+    assert timer.end[0] - timer.begin[0] >= 0.05 > timer.end[1] - timer.begin[1]
