@@ -140,8 +140,9 @@ def build_ours(run, s, output_dir, prompts, tokenizer, callback, timers, reward)
             return dataset  # the columns its prompt tokenisation makes, already there: prompt_ids, row_index
 
     args = GRPOConfig(**grpo_args(s, output_dir))
-    rows = {"prompt": [str(i) for i in range(len(prompts))], "prompt_ids": prompts, "row_index": list(range(len(prompts)))}
-    trainer = BenchGRPOTrainer(model=s.model_dir, reward_funcs=[reward], args=args, train_dataset=Dataset.from_dict(rows),
+    index = list(range(len(prompts)))
+    rows = Dataset.from_dict({"prompt": [str(i) for i in index], "prompt_ids": prompts, "row_index": index})
+    trainer = BenchGRPOTrainer(model=s.model_dir, reward_funcs=[reward], args=args, train_dataset=rows,
                                processing_class=tokenizer, callbacks=[callback])
     generator = getattr(trainer, "generator", None)
     if generator is not None and hasattr(generator, "generate"):
