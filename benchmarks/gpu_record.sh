@@ -25,14 +25,14 @@ part() {  # part NAME SECONDS COMMAND...
 
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import benchmarks.harness.env as e; print(e.versions_line(e.versions()))"; } > "$OUT/machine.txt" 2>&1
-part model 40 python3 -c "from benchmarks.builders.model import build_model as b; print(b('$MODEL', $SHAPE, seed=0))"
+part model 30 python3 -c "from benchmarks.builders.model import build_model as b; print(b('$MODEL', $SHAPE, seed=0))"
 part e2e_dpo 200 python3 benchmarks/e2e_dpo.py $X --lengths 2048 4096 --configs ours_fused_compile trl_liger \
     --model_dir "$MODEL" --log_dir "$OUT/e2e_dpo" --markdown_out "$OUT/e2e_dpo.md"
 part grpo 100 python3 benchmarks/e2e_grpo.py $X --configs trl ours --warmup_steps 1 --timed_steps 1 \
     --model_dir "$MODEL" --log_dir "$OUT/grpo" --markdown_out "$OUT/grpo.md"
 part generation 120 python3 benchmarks/generation.py $X --batches 64 256 --repeats 1 --methods dynamic continuous static \
     --model_dir "$MODEL" --log_dir "$OUT/generation" --markdown_out "$OUT/generation.md"
-part real_lengths 130 python3 benchmarks/e2e_dpo.py $X --real_lengths ultrafeedback --warmup_steps 2 --timed_steps 2 \
+part real_lengths 115 python3 benchmarks/e2e_dpo.py $X --real_lengths ultrafeedback --warmup_steps 2 --timed_steps 2 \
     --configs trl_liger ours_shared_prompt ours_padding_free ours_fused_compile trl_liger_grouped \
     --model_dir "$MODEL" --log_dir "$OUT/real_lengths" --markdown_out "$OUT/real_lengths.md"
 rm -rf "$OUT"/*/out-* "$MODEL"
