@@ -26,6 +26,7 @@ class GRPORun:
     name: str
     trainer: str                      # "trl" or "ours"
     continuous_batching: bool = False  # TRL: use_transformers_continuous_batching
+    compile_generation: bool = False   # ours: static cache with compiled decoding
     about: str = ""
 
 
@@ -34,6 +35,8 @@ RUNS = {r.name: r for r in (
     GRPORun("trl_continuous", "trl", continuous_batching=True,
             about="trl.GRPOTrainer, use_transformers_continuous_batching=True (not run unless named)"),
     GRPORun("ours", "ours", about="fusedalign.trainers.grpo.GRPOTrainer, its default generator"),
+    GRPORun("ours_compiled", "ours", compile_generation=True,
+            about="ours with compile_generation=True: static cache, compiled decoding (weights updated in place)"),
 )}
 DEFAULT = ("trl", "ours")
 
@@ -139,7 +142,7 @@ def build_ours(run, s, output_dir, prompts, tokenizer, callback, timers, reward)
             self.conversational = False
             return dataset  # the columns its prompt tokenisation makes, already there: prompt_ids, row_index
 
-    args = GRPOConfig(**grpo_args(s, output_dir))
+    args = GRPOConfig(**grpo_args(s, output_dir), compile_generation=run.compile_generation)
     index = list(range(len(prompts)))
     rows = Dataset.from_dict({"prompt": [str(i) for i in index], "prompt_ids": prompts, "row_index": index})
     trainer = BenchGRPOTrainer(model=s.model_dir, reward_funcs=[reward], args=args, train_dataset=rows,
