@@ -28,6 +28,7 @@ from typing import Any
 
 from benchmarks.builders.dpo_configs import DPORun
 
+
 def ours_config_fields() -> set[str]:
     from fusedalign.configs import DPOConfig
 

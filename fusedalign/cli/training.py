@@ -8,9 +8,10 @@ import sys
 from typing import Any
 
 from fusedalign.cli.commands import TRAINING_COMMANDS, load
-from fusedalign.cli.interrupt import InterruptGuard, Interrupted
+from fusedalign.cli.interrupt import Interrupted, InterruptGuard
 from fusedalign.cli.output_dir import check_output_dir, last_checkpoint, move_old_run_aside, resolve_resume
 from fusedalign.errors import CLIError
+
 
 def _is_main_process() -> bool:
     return os.environ.get("RANK", "0") == "0"
@@ -86,9 +87,8 @@ def _build_trainer(command: str, script: Any, args: Any, model_args: Any, train:
 def _train_and_save(trainer: Any, args: Any, resume: str | None, guard: InterruptGuard) -> None:
     """Trains, then saves model, tokenizer and the curves; checkpoints are never removed here."""
     from fusedalign.distributed import prepare_final_save
-    from fusedalign.plot import plot_run
-
     from fusedalign.distributed.checkpoints import CheckpointConfigCallback
+    from fusedalign.plot import plot_run
 
     trainer.add_callback(guard)
     trainer.add_callback(CheckpointConfigCallback())  # a sharded checkpoint can then be consolidated alone

@@ -11,13 +11,21 @@ from .dpo import DPO_LOSSES, DPOLossOutput, check_dpo_args, dpo_losses, pair_los
 from .dpo_batch import dpo_batch_loss, pair_loss_gradient, valid_pairs
 from .dpo_metrics import DPOMetrics, RewardMean, RunningRewardMean, bco_reward_mean, dpo_metrics
 from .dpo_types import DPOOptions, PairLogps
-from .kto import KTO_LOSSES, KTOLossOutput, KTOOptions, check_kto_args, kto_batch_loss, kto_losses
-from .kto_stats import KLSums, KTOMetrics, kl_estimate, kl_from_sums, kl_sums, kto_metrics
-from .grpo import GRPO_POLICY_TERMS, GRPOLossOutput, count_items, entropy_threshold, entropy_weight, grpo_loss, high_entropy_mask
+from .grpo import (
+    GRPO_POLICY_TERMS,
+    GRPOLossOutput,
+    count_items,
+    entropy_threshold,
+    entropy_weight,
+    grpo_loss,
+    high_entropy_mask,
+)
 from .grpo_advantages import Advantages, group_advantages
 from .grpo_metrics import GRPOLossMetrics, RewardMetrics
 from .grpo_policy import LOSS_TYPES as GRPO_LOSS_TYPES
 from .grpo_policy import GRPOOptions
+from .kto import KTO_LOSSES, KTOLossOutput, KTOOptions, check_kto_args, kto_batch_loss, kto_losses
+from .kto_stats import KLSums, KTOMetrics, kl_estimate, kl_from_sums, kl_sums, kto_metrics
 from .sft import SFTMetrics, sft_batch_loss, sft_loss, sft_metrics
 
 __all__ = [

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from .grpo_options import CLIPPED, IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, GRPOOptions  # noqa: F401 (re-exported)
 
+
 class PolicyInputs(NamedTuple):
     """Tensors the policy terms read.
 

@@ -8,10 +8,13 @@ averaged over ranks and clamped: see `kto_stats.py`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from .kto_stats import KTOMetrics
 
 
 class KTOBranches(NamedTuple):

@@ -36,8 +36,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from fusedalign.ops.blocks import BlockForward, BlockMath
 from fusedalign.ops import invariant
+from fusedalign.ops.blocks import BlockForward, BlockMath
 from fusedalign.ops.gemm import wide_mm
 from fusedalign.ops.options import HeadOptions, HeadOutput, LowRank, compute_dtype
 from fusedalign.ops.registry import Backend, register_backend

@@ -26,7 +26,6 @@ sums over rows.
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 ROW_MULTIPLE = 8

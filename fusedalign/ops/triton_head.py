@@ -64,11 +64,9 @@ from fusedalign.ops.triton_launch import (
     fill_gradient,
     finish,
     fold,
-    kernels,
     launch_shape,
     new_state,
     on_device,
-    scalars,
 )
 
 # Chunk widths are rounded down to a multiple of this (GEMM- and kernel-friendly).

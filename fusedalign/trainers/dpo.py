@@ -21,13 +21,18 @@ from fusedalign.data import DPOCollator
 from fusedalign.data.preference_batches import PackedDPOCollator, dpo_row_tokens
 from fusedalign.data.splits import prepare_split
 from fusedalign.losses import (
-    RunningRewardMean, bco_reward_mean, dpo_batch_loss, pair_loss_gradient, pairwise_dpo_losses, valid_pairs,
+    RunningRewardMean,
+    bco_reward_mean,
+    dpo_batch_loss,
+    pair_loss_gradient,
+    pairwise_dpo_losses,
+    valid_pairs,
 )
 from fusedalign.losses.dpo_metrics import DPOMetrics
-from fusedalign.trainers.base import FusedAlignTrainer
 from fusedalign.trainers.policy import load_policy
-from fusedalign.trainers.preference_inputs import MicroBatches, RowLayout, check_models
-from fusedalign.trainers.reference import ROW_KEY, PrecomputedLogps, Reference, load_reference_model, precompute_reference
+from fusedalign.trainers.preference import PreferenceTrainer
+from fusedalign.trainers.preference_inputs import check_models
+from fusedalign.trainers.reference import ROW_KEY, load_reference_model, precompute_reference
 
 
 def _padded_length(row: dict) -> int:
@@ -35,7 +40,7 @@ def _padded_length(row: dict) -> int:
     return len(row["prompt_ids"]) + max(len(row["chosen_ids"]), len(row["rejected_ids"]))
 
 
-class DPOTrainer(FusedAlignTrainer):
+class DPOTrainer(PreferenceTrainer):
     """Direct Preference Optimization with the fused output head.
 
     Args:
@@ -77,42 +82,18 @@ class DPOTrainer(FusedAlignTrainer):
             eval_dataset=prepare_split("dpo", eval_dataset, policy.tokenizer, "eval", **tokenize),
             processing_class=policy.tokenizer, callbacks=callbacks,
         )
-        self.reference = Reference.prepare(reference, self.accelerator, policy_is_peft=policy.is_peft,
-                                           needed=not args.reference_free, disable_dropout_=args.disable_dropout)
-        self.reference_store = PrecomputedLogps() if args.precompute_ref_log_probs else None
-        self.rows = RowLayout(packed=args.padding_free)
-        self.micro_batches = MicroBatches(args, lambda row: dpo_row_tokens(row, args.share_prompt), _padded_length)
-        self.micro_batches.plan(self.train_dataset, self.accelerator.num_processes)
+        self.setup_preference(policy, reference, needed=not args.reference_free, row_tokens=lambda row: dpo_row_tokens(row, args.share_prompt),
+                              padded_length=_padded_length)
         self.bco_shift = None
         if "bco_pair" in args.loss_type and args.bco_running_mean:
             self.bco_shift = self.checkpointed("bco_running_mean", RunningRewardMean())
 
-    @property
-    def ref_model(self) -> nn.Module | None:
-        return self.reference.model
-
-    # ------------------------------------------------------------------ sampling
-
-    def get_train_dataloader(self):
-        return self.micro_batches.train_dataloader(self) or super().get_train_dataloader()
-
-    def _get_train_sampler(self, train_dataset=None):
-        dataset = self.train_dataset if train_dataset is None else train_dataset
-        default = super()._get_train_sampler
-        return self.micro_batches.train_sampler(dataset, lambda: default(dataset))
-
-    def _get_eval_sampler(self, eval_dataset):
-        default = super()._get_eval_sampler
-        return self.micro_batches.eval_sampler(eval_dataset, lambda: default(eval_dataset))
 
     # ------------------------------------------------------------------ the step
 
     def count_items(self, inputs: dict[str, Any]) -> torch.Tensor:
         """Pairs whose chosen and rejected both keep at least one completion token."""
         return valid_pairs(self.rows.lengths(inputs)).sum()
-
-    def count_input_tokens(self, inputs: dict[str, Any]) -> torch.Tensor:
-        return self.rows.input_tokens(inputs)
 
     def prepare_step(self, model: nn.Module, batches: list[dict[str, Any]], mode: str) -> list[dict[str, Any]]:
         """Adds `ref_logps` [2B], the reference's sequence log-probs, to every micro-batch, and

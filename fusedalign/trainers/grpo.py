@@ -20,8 +20,14 @@ from fusedalign.configs import GRPOConfig
 from fusedalign.data.grpo import GenerationBatchSampler, collate_rows
 from fusedalign.data.prompts import prepare_prompt_dataset
 from fusedalign.generation import HFGenerate, KeyedSampler, Replay
-from fusedalign.losses import GRPOLossMetrics, count_items, entropy_threshold, entropy_weight, grpo_loss
-from fusedalign.losses import high_entropy_mask
+from fusedalign.losses import (
+    GRPOLossMetrics,
+    count_items,
+    entropy_threshold,
+    entropy_weight,
+    grpo_loss,
+    high_entropy_mask,
+)
 from fusedalign.rewards import RewardFunctions, load_reward_function, load_reward_functions
 from fusedalign.trainers.base import FusedAlignTrainer
 from fusedalign.trainers.grpo_rollout import Rollout, loss_mask, make_rollout

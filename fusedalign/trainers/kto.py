@@ -33,10 +33,10 @@ from fusedalign.data.kto import KLPairCollator, add_kl_pairs, stack_kl_rows, unp
 from fusedalign.data.preference_batches import PackedKTOCollator, kto_row_tokens
 from fusedalign.data.splits import prepare_split
 from fusedalign.losses import KTOMetrics, kl_from_sums, kl_sums, kto_batch_loss
-from fusedalign.trainers.base import FusedAlignTrainer
 from fusedalign.trainers.policy import load_policy
-from fusedalign.trainers.preference_inputs import MicroBatches, RowLayout, check_models
-from fusedalign.trainers.reference import ROW_KEY, PrecomputedLogps, Reference, load_reference_model, precompute_reference
+from fusedalign.trainers.preference import PreferenceTrainer
+from fusedalign.trainers.preference_inputs import check_models
+from fusedalign.trainers.reference import ROW_KEY, load_reference_model, precompute_reference
 
 
 def _padded_length(row: dict) -> int:
@@ -44,7 +44,7 @@ def _padded_length(row: dict) -> int:
     return len(row["prompt_ids"]) + len(row["completion_ids"])
 
 
-class KTOTrainer(FusedAlignTrainer):
+class KTOTrainer(PreferenceTrainer):
     """Kahneman-Tversky Optimization with the fused output head.
 
     Args:
@@ -86,13 +86,8 @@ class KTOTrainer(FusedAlignTrainer):
             train_dataset=train_dataset, eval_dataset=self._prepare_split(eval_dataset, policy.tokenizer, args, "eval"),
             processing_class=policy.tokenizer, callbacks=callbacks,
         )
-        self.reference = Reference.prepare(reference, self.accelerator, policy_is_peft=policy.is_peft, needed=True,
-                                           disable_dropout_=args.disable_dropout)
-        self.reference_store = PrecomputedLogps() if args.precompute_ref_log_probs else None
-        self.rows = RowLayout(packed=args.padding_free)
-        self.micro_batches = MicroBatches(args, lambda row: kto_row_tokens(row, args.share_prompt, kl=args.uses_kl),
-                                          _padded_length)
-        self.micro_batches.plan(self.train_dataset, self.accelerator.num_processes)
+        self.setup_preference(policy, reference, needed=True, row_tokens=lambda row: kto_row_tokens(row, args.share_prompt, kl=args.uses_kl),
+                              padded_length=_padded_length)
 
     @staticmethod
     def _prepare_split(dataset: Dataset | None, tokenizer: Any, args: KTOConfig, split: str) -> Dataset | None:
@@ -107,32 +102,12 @@ class KTOTrainer(FusedAlignTrainer):
             dataset = add_kl_pairs(dataset, args.seed, split)
         return dataset
 
-    @property
-    def ref_model(self) -> nn.Module | None:
-        return self.reference.model
-
-    # ------------------------------------------------------------------ sampling
-
-    def get_train_dataloader(self):
-        return self.micro_batches.train_dataloader(self) or super().get_train_dataloader()
-
-    def _get_train_sampler(self, train_dataset=None):
-        dataset = self.train_dataset if train_dataset is None else train_dataset
-        default = super()._get_train_sampler
-        return self.micro_batches.train_sampler(dataset, lambda: default(dataset))
-
-    def _get_eval_sampler(self, eval_dataset):
-        default = super()._get_eval_sampler
-        return self.micro_batches.eval_sampler(eval_dataset, lambda: default(eval_dataset))
 
     # ------------------------------------------------------------------ the step
 
     def count_items(self, inputs: dict[str, Any]) -> torch.Tensor:
         """Examples with at least one completion token."""
         return (self.rows.lengths(inputs) > 0).sum()
-
-    def count_input_tokens(self, inputs: dict[str, Any]) -> torch.Tensor:
-        return self.rows.input_tokens(inputs)
 
     def prepare_step(self, model: nn.Module, batches: list[dict[str, Any]], mode: str) -> list[dict[str, Any]]:
         """Adds `ref_logps` [B] to each micro-batch of one step, and the step's z0 as `kl` [].

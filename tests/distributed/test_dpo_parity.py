@@ -14,7 +14,14 @@ import pytest
 from safetensors.torch import load_file
 
 from tests.distributed.parity import (
-    BACKENDS, ROOT, assert_same_training, assert_weights_changed, lazy_runs, result, uneven_eval, weights,
+    BACKENDS,
+    ROOT,
+    assert_same_training,
+    assert_weights_changed,
+    lazy_runs,
+    result,
+    uneven_eval,
+    weights,
 )
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]

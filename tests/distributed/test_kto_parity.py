@@ -12,7 +12,15 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.parity import BACKENDS, ROOT, assert_same_training, assert_weights_changed, lazy_runs, result, uneven_eval
+from tests.distributed.parity import (
+    BACKENDS,
+    ROOT,
+    assert_same_training,
+    assert_weights_changed,
+    lazy_runs,
+    result,
+    uneven_eval,
+)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

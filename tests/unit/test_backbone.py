@@ -12,8 +12,8 @@ import torch
 from transformers import Qwen2Config
 from transformers.models.qwen2.modeling_qwen2 import Qwen2ForCausalLM
 
-from fusedalign.configs import DPOConfig
 from fusedalign.backbone import compile_decoder_layers, decoder_layers
+from fusedalign.configs import DPOConfig
 
 H, I, KV = 64, 512, 32  # hidden, intermediate, key/value width (2 heads of 16)
 

@@ -153,9 +153,8 @@ def test_interpreter_rows_are_their_own():
 def interpreter_checks():
     """Run in the subprocess above: invariance in fp32 and bf16 (one block and several), and
     parity with the oracle in the mode (values, statistics, every gradient)."""
-    from tests.unit.test_ops_triton import patch_interpreter
-
     from fusedalign.ops import triton_head
+    from tests.unit.test_ops_triton import patch_interpreter
 
     patch_interpreter()
     for min_cols in (triton_head.MIN_COLS, 24):  # 24: several vocabulary chunks of a fixed width

@@ -9,7 +9,6 @@ import pytest
 import torch
 from datasets import Dataset
 
-from fusedalign.data.kto import KLPairCollator
 from fusedalign.data import (
     DataError,
     DataFormat,
@@ -34,6 +33,7 @@ from fusedalign.data import (
     unpair_preference_dataset,
     validate_dataset,
 )
+from fusedalign.data.kto import KLPairCollator
 from fusedalign.models import load_model, load_tokenizer
 
 ZEN_CONFIGS = [

@@ -21,8 +21,8 @@ from tests.unit.test_ops import (
     grad_inputs,
     low_rank_of,
     make_problem,
-    oracle_logits,
     opts_of,
+    oracle_logits,
     rel_err,
 )
 

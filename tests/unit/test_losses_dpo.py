@@ -5,8 +5,6 @@ import math
 import pytest
 import torch
 
-from fusedalign.metrics import logged_values
-
 from fusedalign.losses import (
     DPO_LOSSES,
     bco_reward_mean,
@@ -14,6 +12,7 @@ from fusedalign.losses import (
     dpo_losses,
     dpo_metrics,
 )
+from fusedalign.metrics import logged_values
 
 # Three pairs whose policy and reference orders differ, so the AOT sorts matter, and whose
 # margins straddle hinge's kink (beta * h = 0.15, -1.3, 3.7).

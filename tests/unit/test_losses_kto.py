@@ -5,8 +5,6 @@ import math
 import pytest
 import torch
 
-from fusedalign.metrics import logged_values
-
 from fusedalign.losses import (
     KTO_LOSSES,
     check_kto_args,
@@ -16,6 +14,7 @@ from fusedalign.losses import (
     kto_losses,
     kto_metrics,
 )
+from fusedalign.metrics import logged_values
 
 POLICY = [-2.0, -3.0, -1.5, -4.0]
 REF = [-2.5, -2.8, -1.0, -4.4]

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from fusedalign.attention import attention_inputs
-from fusedalign.data import DPOCollator, DataError, position_labels, truncate_pair
+from fusedalign.data import DataError, DPOCollator, position_labels, truncate_pair
 from fusedalign.data.kto import KLPairCollator
 from fusedalign.data.preference_batches import (
     PackedDPOCollator,

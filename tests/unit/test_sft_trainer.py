@@ -10,11 +10,11 @@ import torch
 from datasets import Dataset
 
 from fusedalign import cli
+from fusedalign.attention import PackedAttentionError
 from fusedalign.configs import SFTConfig
 from fusedalign.data import DataError, SFTCollator, load_dataset_any
 from fusedalign.head import IGNORE_INDEX, logprobs_from_logits, token_logprobs
 from fusedalign.models import load_model
-from fusedalign.attention import PackedAttentionError
 from fusedalign.trainers.sft import SFTTrainer
 
 LM = "standard_language_modeling"
