@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 import torch
 from datasets import Dataset
 from torch import nn
+from torch.utils.data import DataLoader
 
 from fusedalign.configs import GRPOConfig
 from fusedalign.data.grpo import GenerationBatchSampler, collate_rows
@@ -108,15 +109,23 @@ class GRPOTrainer(FusedAlignTrainer):
             args.steps_per_generation * args.num_iterations, seed=args.seed,
             shuffle=args.shuffle_dataset and args.train_sampling_strategy != "sequential",
         )
-        return self._get_dataloader(self.train_dataset, "Training", args.per_device_train_batch_size
-                                    * args.steps_per_generation, sampler_fn=lambda _: sampler, is_training=True)
+        return self._generation_loader(self.train_dataset, sampler, args.per_device_train_batch_size
+                                       * args.steps_per_generation)
 
     def get_eval_dataloader(self, eval_dataset=None):
         args, dataset = self.args, eval_dataset if eval_dataset is not None else self.eval_dataset
         G = args.num_generations_eval or args.num_generations
         batch = args.per_device_eval_batch_size
         sampler = GenerationBatchSampler(len(dataset), G, batch * args.world_size // G, 1, shuffle=False)
-        return self._get_dataloader(dataset, "Evaluation", batch, sampler_fn=lambda _: sampler)
+        return self._generation_loader(dataset, sampler, batch)
+
+    def _generation_loader(self, dataset: Dataset, sampler: GenerationBatchSampler, batch_size: int):
+        """Whole generation batches only (the sampler yields nothing else). drop_last also tells
+        accelerate not to cut a "remainder" it would compute from the dataset's length, which
+        the repeated rows make wrong, out of the last batch's metrics."""
+        loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_rows, drop_last=True,
+                            num_workers=self.args.dataloader_num_workers)
+        return self.accelerator.prepare(loader)
 
     # ------------------------------------------------------------------ the step
 

@@ -169,3 +169,18 @@ def test_reward_errors_name_the_function_and_row(tmp_path, prompts, replay):
 
 
 # The built-in reward's learning test is the CLI demo's (tests/unit/test_cli.py): the same run, once.
+
+
+def test_evaluation_generates_for_every_prompt_and_reports_its_rewards(tmp_path, prompts):
+    eos = load_tokenizer(MODEL).eos_token_id
+    test = load_dataset_any("builtin:zen", "standard_prompt_only", split="test")
+    replay = uneven_replay(len(test), G, eos)
+    trainer = GRPOTrainer(load_model(MODEL), reward_funcs=token_sum_reward, args=_args(tmp_path, per_device_eval_batch_size=8),
+                          train_dataset=prompts, eval_dataset=test, generator=replay)
+    metrics = trainer.evaluate()
+    completions = [replay.records[(row, g)][0] for row in range(len(test)) for g in range(G)]
+    assert len(test) % 2 == 0  # every prompt in a whole evaluation batch of 2 prompts x G
+    assert metrics["eval_reward"] == pytest.approx(sum(token_sum_reward(completions)) / len(completions), rel=1e-6)
+    lengths = [len(c) for c in completions]
+    assert metrics["eval_completions/mean_length"] == pytest.approx(sum(lengths) / len(lengths), rel=1e-6)
+    assert metrics["eval_completions/max_length"] == max(lengths)
