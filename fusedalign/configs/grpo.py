@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fusedalign.configs.common import FusedAlignConfig, check_choice
+from fusedalign.distributed import DistributedBackend, backend_from_env
 from fusedalign.losses.grpo_advantages import AGGREGATIONS, SCALE_REWARDS
 from fusedalign.losses.grpo_policy import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, GRPOOptions
 
@@ -118,6 +119,13 @@ class GRPOConfig(FusedAlignConfig):
         if self.replay_completions is not None and self.keyed_sampling:
             raise ValueError("--replay_completions replays recorded completions; it cannot be combined with "
                              "--keyed_sampling (which samples new ones)")
+        backend = backend_from_env()
+        if self.compile_generation and backend in (DistributedBackend.ZERO3, DistributedBackend.FSDP2):
+            raise ValueError(
+                f"--compile_generation under {backend.value}: compiled decoding captures the parameters' storage, "
+                "which ZeRO-3 and FSDP2 gather anew for every generation, so the compiled graphs would read "
+                "released memory. Use it on one device, DDP or ZeRO-2, or leave it off."
+            )
 
     def _check_numbers(self) -> None:
         def need(ok: bool, flag: str, expected: str, value: object) -> None:

@@ -81,3 +81,12 @@ def test_every_check_names_its_flag(kw, match):
 def test_loss_options_follow_the_config():
     o = make(loss_type="dr_grpo", epsilon_high=0.28, delta=1.5, beta=0.04, max_completion_length=64).loss_options()
     assert (o.loss_type, o.eps_high, o.delta, o.beta, o.max_completion_length) == ("dr_grpo", 0.28, 1.5, 0.04, 64)
+
+
+def test_compiled_generation_is_refused_where_the_weights_are_gathered_anew(tmp_path, monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    with pytest.raises(ValueError, match="compile_generation under fsdp2"):
+        GRPOConfig(output_dir=str(tmp_path), compile_generation=True)
+    monkeypatch.delenv("ACCELERATE_USE_FSDP")
+    GRPOConfig(output_dir=str(tmp_path), compile_generation=True)  # one device: allowed
