@@ -191,6 +191,14 @@ def build_ours(run: DPORun, s, length, output_dir, rows, tokenizer, callback, ti
     if run.token_budget:
         kwargs["max_tokens_per_batch"] = s.max_tokens_per_batch
         order = grouped_after = None  # the trainer's own token-budget micro-batches, in dataset order
+    model, ref_model = s.model_dir, None  # None: the trainer loads the reference from the policy's path
+    if run.attn:  # the policy and the reference load with this attention implementation
+        from fusedalign.models import load_model
+
+        dtype = "bfloat16" if s.dtype == "bf16" else "float32"
+        model, ref_model = (load_model(s.model_dir, dtype=dtype, attn_implementation=run.attn) for _ in range(2))
+    if run.pad_to_multiple_of:
+        kwargs["pad_to_multiple_of"] = run.pad_to_multiple_of
     args = DPOConfig(**kwargs, fused_head=run.fused_head, liger_kernels=run.liger_layers,
                      compile_layers=run.compile_layers, max_prompt_length=None, loss_aware_head=run.loss_aware_head)
     cls = with_order(DPOTrainer, order, grouped_after)
@@ -198,12 +206,12 @@ def build_ours(run: DPORun, s, length, output_dir, rows, tokenizer, callback, ti
     trainer = None
     if accepts_token_ids(tokenizer, rows):
         try:
-            trainer = cls(model=s.model_dir, args=args, train_dataset=dataset, processing_class=tokenizer,
-                          callbacks=[callback])
+            trainer = cls(model=model, ref_model=ref_model, args=args, train_dataset=dataset,
+                          processing_class=tokenizer, callbacks=[callback])
         except DataError:
             pass  # the data layer takes token ids but the trainer does not yet: the workaround below
     if trainer is None:
-        trainer = cls(model=s.model_dir, args=args, train_dataset=None, processing_class=tokenizer,
+        trainer = cls(model=model, ref_model=ref_model, args=args, train_dataset=None, processing_class=tokenizer,
                       callbacks=[callback])
         trainer.train_dataset = dataset.add_column("index", list(range(len(dataset))))
     time_precompute(trainer, timers)

@@ -30,6 +30,12 @@ class DPORun:
         token_budget: ours, padding-free: micro-batches of whole pairs up to
             --max_tokens_per_batch tokens (DPOConfig.max_tokens_per_batch), in the trainer's
             own order; the pairs of an optimizer step then vary around --pairs.
+        attn: ours: the attention implementation the policy and reference load with
+            (DPOConfig.attn_implementation; None: the model's default, sdpa). On
+            "flex_attention" packed rows attend through a BlockMask whose empty blocks
+            (other sequences) the kernel skips, where sdpa takes a dense L x L mask.
+        pad_to_multiple_of: ours: round each micro-batch's length up (DPOConfig.pad_to_multiple_of),
+            so that compiled layers see few shapes.
         order: real-length mode only: "random" (one seeded permutation, the same for
             every configuration that asks for it) or "grouped" (TRL's
             group_by_length sampler); the fixed-length mode runs every row in order.
@@ -46,6 +52,8 @@ class DPORun:
     padding_free: bool = False
     share_prompt: bool = False
     token_budget: bool = False
+    attn: str | None = None
+    pad_to_multiple_of: int | None = None
     order: str = "random"
     checked: bool = False
     about: str = ""
@@ -56,9 +64,10 @@ class DPORun:
         if self.order not in ("random", "grouped"):
             raise ValueError(f"{self.name}: order must be 'random' or 'grouped', got {self.order!r}")
         if self.trainer == "trl" and (self.compile_layers or self.padding_free or self.share_prompt
-                                      or self.token_budget or not self.fused_head or not self.loss_aware_head):
+                                      or self.token_budget or not self.fused_head or not self.loss_aware_head
+                                      or self.attn or self.pad_to_multiple_of):
             raise ValueError(f"{self.name}: compile_layers, padding_free, share_prompt, token_budget, "
-                             "fused_head=False and loss_aware_head=False are options of ours, not of TRL's DPOTrainer")
+                             "fused_head=False, loss_aware_head=False, attn and pad_to_multiple_of are options of ours, not of TRL's DPOTrainer")
         if self.order == "grouped" and self.trainer != "trl":
             raise ValueError(f"{self.name}: 'grouped' order is TRL's length-grouped sampler")
         if (self.share_prompt or self.token_budget) and not self.padding_free:
@@ -98,6 +107,12 @@ REAL = _table(
            about="ours, padding_free=True, max_tokens_per_batch"),
     DPORun("ours_shared_prompt", "ours", compile_layers=True, padding_free=True, share_prompt=True, token_budget=True,
            about="ours, padding-free with the prompt computed once per pair (share_prompt=True), max_tokens_per_batch"),
+    DPORun("ours_padding_free_flex", "ours", compile_layers=True, padding_free=True, token_budget=True,
+           attn="flex_attention", pad_to_multiple_of=1024,
+           about="ours_padding_free on flex_attention, micro-batches rounded up to a multiple of 1,024 tokens"),
+    DPORun("ours_shared_prompt_flex", "ours", compile_layers=True, padding_free=True, share_prompt=True,
+           token_budget=True, attn="flex_attention", pad_to_multiple_of=1024,
+           about="ours_shared_prompt on flex_attention (BlockMask), micro-batches rounded up to a multiple of 1,024"),
     DPORun("ours_padding_free_fixed", "ours", compile_layers=True, padding_free=True,
            about="ours, padding_free=True, --per_device_train_batch_size pairs a micro-batch (not run unless named)"),
     DPORun("ours_shared_prompt_fixed", "ours", compile_layers=True, padding_free=True, share_prompt=True,

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fusedalign.configs.common import TRUNCATION_MODES, FusedAlignConfig, check_choice
-from fusedalign.configs.packed import MAX_TOKENS_HELP, PADDING_FREE_HELP, check_packed_batching
+from fusedalign.configs.packed import MAX_TOKENS_HELP, PAD_MULTIPLE_HELP, PADDING_FREE_HELP, check_packed_batching
 from fusedalign.losses import DPO_LOSSES, DPOOptions, check_dpo_args
 
 
@@ -72,6 +72,7 @@ class DPOConfig(FusedAlignConfig):
     max_tokens_per_batch: int | None = field(
         default=None, metadata={"help": MAX_TOKENS_HELP.format(units="pairs", unit="pair")}
     )
+    pad_to_multiple_of: int | None = field(default=None, metadata={"help": PAD_MULTIPLE_HELP})
 
     def __post_init__(self):
         super().__post_init__()

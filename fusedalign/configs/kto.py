@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fusedalign.configs.common import TRUNCATION_MODES, FusedAlignConfig, check_choice
-from fusedalign.configs.packed import MAX_TOKENS_HELP, PADDING_FREE_HELP, check_packed_batching
+from fusedalign.configs.packed import MAX_TOKENS_HELP, PAD_MULTIPLE_HELP, PADDING_FREE_HELP, check_packed_batching
 from fusedalign.losses import KTO_LOSSES, KTOOptions, check_kto_args
 
 
@@ -62,6 +62,7 @@ class KTOConfig(FusedAlignConfig):
         metadata={"help": MAX_TOKENS_HELP.format(units="examples", unit="example") + " An example counts with its "
                   "KL partner (the reference's joint row), the longest row a micro-batch runs."},
     )
+    pad_to_multiple_of: int | None = field(default=None, metadata={"help": PAD_MULTIPLE_HELP})
 
     def __post_init__(self):
         super().__post_init__()

@@ -14,6 +14,12 @@ PADDING_FREE_HELP = (
     "Concatenate each micro-batch's sequences into one row, no padding, each sequence confined to itself "
     "(position_ids; a mask with share_prompt). Same losses and gradients as padded batches."
 )
+PAD_MULTIPLE_HELP = (
+    "Round each micro-batch's length up to a multiple of this (TRL's flag; its 'auto' pads only on Neuron, so "
+    "None here is the same elsewhere). Padded rows get right padding; a padding-free row one padding segment "
+    "that sees only itself. With --compile_layers and --max_tokens_per_batch, a multiple of the budget's order "
+    "keeps the compiled shapes few."
+)
 MAX_TOKENS_HELP = (
     "With padding_free: micro-batches of whole {units} up to this many tokens (instead of "
     "per_device_train_batch_size rows), so memory stays flat whatever the lengths; the loss stays the mean "
@@ -36,6 +42,9 @@ def check_packed_batching(args: Any, unit: str) -> None:
             "share_prompt computes each prompt once inside a padding-free row: add --padding_free true "
             "(or drop --share_prompt)."
         )
+    multiple = args.pad_to_multiple_of
+    if multiple is not None and (isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1):
+        raise ValueError(f"pad_to_multiple_of must be a positive number of tokens or None, got {multiple!r}.")
     budget = args.max_tokens_per_batch
     if budget is None:
         return

@@ -80,9 +80,10 @@ class KLPairCollator:
 
     pad_token_id: int
     row_keys: bool = False
+    pad_to_multiple_of: int | None = None
 
     def __call__(self, features: Sequence[Mapping]) -> dict[str, torch.Tensor]:
-        collate = KTOCollator(self.pad_token_id)
+        collate = KTOCollator(self.pad_token_id, self.pad_to_multiple_of)
         batch = collate(features)
         fields = ("prompt_ids", "completion_ids")
         if "kl_completion_ids" in features[0]:

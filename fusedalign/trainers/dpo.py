@@ -73,11 +73,11 @@ class DPOTrainer(PreferenceTrainer):
         check_models(args, policy.model, reference)
         tokenize = dict(max_length=args.max_length, max_prompt_length=args.max_prompt_length,
                         truncation_mode=args.truncation_mode)
-        pad, keys = policy.tokenizer.pad_token_id, args.precompute_ref_log_probs
+        pad, keys, multiple = policy.tokenizer.pad_token_id, args.precompute_ref_log_probs, args.pad_to_multiple_of
         super().__init__(
             model=policy.model, args=args,
-            data_collator=PackedDPOCollator(pad, args.share_prompt, row_keys=keys) if args.padding_free
-            else DPOCollator(pad, row_keys=keys),
+            data_collator=PackedDPOCollator(pad, args.share_prompt, multiple, row_keys=keys) if args.padding_free
+            else DPOCollator(pad, multiple, row_keys=keys),
             train_dataset=prepare_split("dpo", train_dataset, policy.tokenizer, "train", **tokenize),
             eval_dataset=prepare_split("dpo", eval_dataset, policy.tokenizer, "eval", **tokenize),
             processing_class=policy.tokenizer, callbacks=callbacks,

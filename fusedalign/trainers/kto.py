@@ -78,11 +78,11 @@ class KTOTrainer(PreferenceTrainer):
         train_dataset = self._prepare_split(train_dataset, policy.tokenizer, args, "train")
         if train_dataset is not None:
             warn_on_class_balance(train_dataset["label"], args.desirable_weight, args.undesirable_weight)
-        pad, keys = policy.tokenizer.pad_token_id, args.precompute_ref_log_probs
+        pad, keys, multiple = policy.tokenizer.pad_token_id, args.precompute_ref_log_probs, args.pad_to_multiple_of
         super().__init__(
             model=policy.model, args=args,
-            data_collator=PackedKTOCollator(pad, args.share_prompt, row_keys=keys) if args.padding_free
-            else KLPairCollator(pad, row_keys=keys),
+            data_collator=PackedKTOCollator(pad, args.share_prompt, multiple, row_keys=keys) if args.padding_free
+            else KLPairCollator(pad, row_keys=keys, pad_to_multiple_of=multiple),
             train_dataset=train_dataset, eval_dataset=self._prepare_split(eval_dataset, policy.tokenizer, args, "eval"),
             processing_class=policy.tokenizer, callbacks=callbacks,
         )

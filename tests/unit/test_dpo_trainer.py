@@ -299,6 +299,27 @@ def test_token_budget_micro_batches_train_like_one_padded_batch(tmp_path, layout
     _assert_loss_aware_ran(calls, steps=3 * len(plan))
 
 
+@pytest.mark.parametrize("layout", ["padded", *sorted(LAYOUTS)])
+def test_pad_to_multiple_of_pads_the_batches_and_trains_the_same(tmp_path, layout):
+    """pad_to_multiple_of (TRL's flag) rounds every micro-batch's length up: padded rows get
+    right padding, a padding-free row one padding segment; losses, metrics and weights are
+    those of the unpadded run (the padding is neither scored nor seen)."""
+    rows, extra = _edge_rows(), LAYOUTS.get(layout, {})
+    want = _run(tmp_path / "plain", rows, per_device_train_batch_size=4, max_steps=2, **extra)
+    got = _run(tmp_path / "multiple", rows, per_device_train_batch_size=4, max_steps=2, pad_to_multiple_of=48, **extra)
+    _assert_same_training(got, want, steps=2)
+    collate, prepared = got[2].data_collator, got[2].train_dataset
+    lengths = [collate([prepared[i] for i in range(j, j + 4)])["input_ids"].shape[1] for j in range(0, 16, 4)]
+    plain = [want[2].data_collator([prepared[i] for i in range(j, j + 4)])["input_ids"].shape[1] for j in range(0, 16, 4)]
+    assert all(n % 48 == 0 for n in lengths) and lengths != plain, (lengths, plain)
+    assert [-(-n // 48) * 48 for n in plain] == lengths
+
+
+def test_pad_to_multiple_of_is_checked_in_the_config(tmp_path):
+    with pytest.raises(ValueError, match="pad_to_multiple_of must be a positive number"):
+        _args(tmp_path, pad_to_multiple_of=0)
+
+
 def test_token_budget_plan_is_dealt_to_the_dataloader_and_reshuffled_per_epoch(tmp_path):
     trainer = DPOTrainer(model=load_model(MODEL), args=_args(tmp_path, padding_free=True, max_tokens_per_batch=96,
                                                               train_sampling_strategy="random"),

@@ -384,6 +384,17 @@ def test_token_budget_micro_batches_train_like_one_padded_batch(tmp_path, zen, w
     _assert_same_logs(got, want)
 
 
+@pytest.mark.parametrize("layout", ["padded", *sorted(LAYOUTS)])
+def test_pad_to_multiple_of_pads_every_row_and_trains_the_same(tmp_path, zen, warm_state, baseline, layout):
+    """TRL's pad_to_multiple_of: every row of a micro-batch (completions, KL partners, the reference's
+    joint row) rounded up to a multiple; every logged value and weight as without it."""
+    got = _train(_policy(warm_state), _args(tmp_path, pad_to_multiple_of=40, **LAYOUTS.get(layout, {})), zen)
+    batch = _first_batch(got[0])
+    widths = {k: v.shape[1] for k, v in batch.items() if k.endswith("input_ids")}
+    assert len(widths) >= 2 and all(w % 40 == 0 for w in widths.values()), widths
+    _assert_same_logs(got, baseline)
+
+
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_precomputed_reference_and_evaluation_in_packed_rows(tmp_path, zen, warm_state, baseline, layout):
     evaluation = load_dataset_any("builtin:zen", "standard_unpaired_preference", split="test").select(range(7))
