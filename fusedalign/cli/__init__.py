@@ -1,4 +1,4 @@
-"""`fusedalign sft|dpo|kto|plot|merge|consolidate ...`: the command line.
+"""`fusedalign sft|dpo|kto|grpo|plot|merge|consolidate ...`: the command line.
 
 Each training command parses its dataclasses (`parsing.py`: HfArgumentParser, plus
 `--config file.yaml` whose values act as defaults under the flags), checks the output

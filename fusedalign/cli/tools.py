@@ -7,12 +7,44 @@ import sys
 
 from fusedalign.errors import CLIError
 
+HELP_FLAGS = ("-h", "--help")
+
+PLOT_USAGE = "usage: fusedalign plot OUTPUT_DIR"
+MERGE_USAGE = "usage: fusedalign merge ADAPTER_DIR OUTPUT_DIR [--base_model NAME_OR_PATH]"
+CONSOLIDATE_USAGE = "usage: fusedalign consolidate CHECKPOINT_DIR [OUTPUT_DIR]"
+
+HELP = {
+    "plot": f"""{PLOT_USAGE}
+
+Draws the training curves of a run, OUTPUT_DIR/metrics.jsonl, into
+OUTPUT_DIR/training_curves.png and prints the path of the PNG.""",
+    "merge": f"""{MERGE_USAGE}
+
+Merges the LoRA adapter of a --use_peft run (ADAPTER_DIR, its --output_dir) into
+its base model and saves the full model and tokenizer in OUTPUT_DIR.
+  --base_model NAME_OR_PATH  the base model (default: the one adapter_config.json names)""",
+    "consolidate": f"""{CONSOLIDATE_USAGE}
+
+Writes the whole model of a sharded (FSDP2) checkpoint as safetensors, loadable with
+AutoModelForCausalLM.from_pretrained, into OUTPUT_DIR (default: CHECKPOINT_DIR itself).""",
+}
+
+
+def _asks_for_help(name: str, argv: list[str]) -> bool:
+    """Prints the command's help when asked for it (`-h`/`--help`), as a training command does."""
+    if not any(flag in argv for flag in HELP_FLAGS):
+        return False
+    print(HELP[name])
+    return True
+
 
 def run_plot(argv: list[str]) -> int:
+    if _asks_for_help("plot", argv):
+        return 0
+    if len(argv) != 1 or argv[0].startswith("-"):
+        raise CLIError(PLOT_USAGE)
     from fusedalign.plot import plot_run
 
-    if len(argv) != 1 or argv[0].startswith("-"):
-        raise CLIError("usage: fusedalign plot OUTPUT_DIR")
     print(plot_run(argv[0]))
     return 0
 
@@ -28,10 +60,11 @@ def _take_option(argv: list[str], name: str, usage: str) -> tuple[str | None, li
 
 def run_merge(argv: list[str]) -> int:
     """`fusedalign merge ADAPTER_DIR OUTPUT_DIR [--base_model NAME]`: a LoRA adapter folded into its base."""
-    usage = "usage: fusedalign merge ADAPTER_DIR OUTPUT_DIR [--base_model NAME_OR_PATH]"
-    base, argv = _take_option(argv, "--base_model", usage)
+    if _asks_for_help("merge", argv):
+        return 0
+    base, argv = _take_option(argv, "--base_model", MERGE_USAGE)
     if len(argv) != 2 or any(a.startswith("-") for a in argv):
-        raise CLIError(usage)
+        raise CLIError(MERGE_USAGE)
     adapter_dir, output_dir = argv
     if not os.path.isfile(os.path.join(adapter_dir, "adapter_config.json")):
         raise CLIError(f"{adapter_dir} is not a PEFT adapter directory (no adapter_config.json); "
@@ -52,9 +85,10 @@ def run_merge(argv: list[str]) -> int:
 
 def run_consolidate(argv: list[str]) -> int:
     """`fusedalign consolidate CHECKPOINT_DIR [OUTPUT_DIR]`: a sharded checkpoint as one from_pretrained model."""
-    usage = "usage: fusedalign consolidate CHECKPOINT_DIR [OUTPUT_DIR]  (default OUTPUT_DIR: CHECKPOINT_DIR itself)"
+    if _asks_for_help("consolidate", argv):
+        return 0
     if len(argv) not in (1, 2) or any(a.startswith("-") for a in argv):
-        raise CLIError(usage)
+        raise CLIError(f"{CONSOLIDATE_USAGE}  (default OUTPUT_DIR: CHECKPOINT_DIR itself)")
     from fusedalign.distributed.checkpoints import consolidate_checkpoint
 
     checkpoint_dir = argv[0]

@@ -139,7 +139,16 @@ def test_model_name_keeps_trls_learning_rate(tmp_path):
 # ------------------------------------------------------------------ help (items 1, 9, 15)
 
 
-@pytest.mark.parametrize("command", ["dpo", "kto", "sft"])
+TRAINING = ["dpo", "kto", "sft", "grpo"]
+
+
+def test_the_tests_cover_every_command():
+    from fusedalign.cli import COMMANDS
+
+    assert set(COMMANDS) == {*TRAINING, *TOOLS}
+
+
+@pytest.mark.parametrize("command", TRAINING)
 def test_every_command_help_works(command, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("FUSEDALIGN_CACHE", str(tmp_path))
     assert main([command, "--help"]) == 0
@@ -155,7 +164,18 @@ def test_every_command_help_works(command, tmp_path, monkeypatch, capsys):
         assert "{% generation %}" in short  # the help string that made argparse crash
 
 
-@pytest.mark.parametrize("command", ["dpo", "kto", "sft"])
+TOOLS = {"plot": "OUTPUT_DIR", "merge": "ADAPTER_DIR OUTPUT_DIR", "consolidate": "CHECKPOINT_DIR"}
+
+
+@pytest.mark.parametrize("command", sorted(TOOLS))
+@pytest.mark.parametrize("flag", ["-h", "--help"])
+def test_every_tool_help_prints_its_usage(command, flag, capsys):
+    assert main([command, flag]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith(f"usage: fusedalign {command} {TOOLS[command]}") and not captured.err
+
+
+@pytest.mark.parametrize("command", TRAINING)
 def test_parser_help_strings_survive_argparse_formatting(command):
     from fusedalign.cli.help import dataclass_types
     from fusedalign.cli.parsing import build_parser
@@ -185,10 +205,18 @@ def test_loss_type_help_and_error_name_the_same_values(tmp_path, monkeypatch, ca
     assert set(listed) == set(valid) == set(DPO_LOSSES)
 
 
-def test_unknown_flag_suggests_the_closest(tmp_path, capsys):
-    assert main(["dpo", "--lora_rr", "4", "--output_dir", str(tmp_path)]) == 2
+@pytest.mark.parametrize("command", TRAINING)
+def test_unknown_flag_suggests_the_closest(command, tmp_path, capsys):
+    assert main([command, "--lora_rr", "4", "--output_dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"unknown flag --lora_rr for `fusedalign {command}`" in err
+    assert "did you mean --lora_r" in err and "--lora-r" not in err
+    assert main([command, "--bta", "1", "--output_dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert "unknown flag --lora_rr" in err and "did you mean --lora_r" in err and "--lora-r" not in err
+    assert ("did you mean --beta" in err) if command != "sft" else f"`fusedalign sft --help-all` lists every flag" in err
+
+
+def test_unknown_command_suggests_the_closest(capsys):
     assert main(["frobnicate"]) == 2 and main(["dpp"]) == 2
     assert "did you mean 'dpo'" in capsys.readouterr().err
 
