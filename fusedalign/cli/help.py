@@ -2,10 +2,17 @@
 
 The text is argparse's own rendering of the real parser, so it cannot drift from what
 is parsed. Building that parser imports TrainingArguments, hence torch and peft (5-13 s
-on a 2-core machine); the rendered text is therefore cached, keyed by the fusedalign
-sources and the transformers version, and a cached `--help` imports neither
-(`scripts/setup.sh` renders it once at install). Without a writable cache it is
-rendered each time.
+on a 2-core machine); the rendered text is therefore cached, and a cached `--help`
+imports neither (`scripts/setup.sh` renders it once at install). Without a writable
+cache it is rendered each time.
+
+A cache entry is valid for the content of the sources it was rendered from, not their
+modification times (a fresh checkout, a pull or a branch switch touches every file but
+changes few): each entry records the SHA-256 of every fusedalign module that was
+loaded when the parser was built (every line of code that shapes it lives in one of
+those) and is used only while each of them still hashes the same. The file name adds
+what the sources cannot show: the command, the Python version, and the installed
+transformers version (TrainingArguments' flags depend on it).
 """
 
 from __future__ import annotations
@@ -14,7 +21,9 @@ import argparse
 import copy
 import hashlib
 import importlib.metadata
+import json
 import os
+import sys
 from pathlib import Path
 
 from fusedalign.cli.commands import TRAINING_COMMANDS, load
@@ -118,31 +127,67 @@ def cache_dir() -> Path:
     return Path(root) / "help"
 
 
-def _fingerprint(command: str, full: bool) -> str:
-    digest = hashlib.sha256(f"{command}:{full}".encode())
+def _cache_prefix(command: str, full: bool) -> str:
+    """What names a cache entry: the command and the versions outside the fusedalign sources."""
+    digest = hashlib.sha256(f"{command}:{full}:{sys.version_info[:2]}".encode())
     for dist in ("transformers", "fusedalign"):
         try:
             digest.update(f"{dist}={importlib.metadata.version(dist)}".encode())
         except importlib.metadata.PackageNotFoundError:
             digest.update(dist.encode())
-    for path in sorted(PACKAGE.rglob("*.py")):
-        stat = path.stat()
-        digest.update(f"{path.relative_to(PACKAGE)}:{stat.st_mtime_ns}:{stat.st_size}".encode())
-    return digest.hexdigest()[:20]
+    return f"{command}-{'all' if full else 'own'}-{digest.hexdigest()[:16]}"
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def loaded_sources() -> dict[str, str]:
+    """SHA-256 of each loaded fusedalign module's file, by path relative to the package."""
+    sources = {}
+    for module in list(sys.modules.values()):
+        path = getattr(module, "__file__", None)
+        if not path:
+            continue
+        path = Path(path).resolve()
+        if path.suffix == ".py" and path.is_relative_to(PACKAGE):
+            sources[path.relative_to(PACKAGE).as_posix()] = _sha256(path)
+    return dict(sorted(sources.items()))
+
+
+def _unchanged(sources: dict[str, str]) -> bool:
+    try:
+        return bool(sources) and all(_sha256(PACKAGE / name) == digest for name, digest in sources.items())
+    except OSError:  # a module removed or renamed since
+        return False
+
+
+def _cached(prefix: str) -> str | None:
+    """The text of a cache entry whose sources all hash as they did when it was rendered."""
+    for path in sorted(cache_dir().glob(f"{prefix}-*.txt")):
+        try:
+            header, _, text = path.read_text().partition("\n")
+            sources = json.loads(header)
+        except (OSError, ValueError):
+            continue
+        if isinstance(sources, dict) and _unchanged(sources):
+            return text
+    return None
 
 
 def help_text(command: str, full: bool = False) -> str:
-    """The help of a training command, from the cache when it is current."""
-    path = cache_dir() / f"{command}-{'all' if full else 'own'}-{_fingerprint(command, full)}.txt"
-    try:
-        return path.read_text()
-    except OSError:
-        pass
+    """The help of a training command, from the cache when its sources are unchanged."""
+    prefix = _cache_prefix(command, full)
+    text = _cached(prefix)
+    if text is not None:
+        return text
     text = render_help(command, full)
+    header = json.dumps(loaded_sources(), separators=(",", ":"))
+    path = cache_dir() / f"{prefix}-{hashlib.sha256(header.encode()).hexdigest()[:16]}.txt"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(text)
+        tmp.write_text(f"{header}\n{text}")
         os.replace(tmp, path)
     except OSError:
         pass  # no writable cache: rendered each time

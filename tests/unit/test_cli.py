@@ -192,6 +192,38 @@ def test_cached_help_imports_no_torch(tmp_path):
     assert proc.stdout.strip().endswith("False") and "fusedalign dpo flags" in proc.stdout
 
 
+def test_help_cache_follows_the_sources_content_not_their_mtimes(tmp_path, monkeypatch):
+    import types
+
+    from fusedalign.cli import help as cli_help
+
+    package = tmp_path / "package"
+    package.mkdir()
+    source = package / "config.py"
+    source.write_text("beta = 0.1\n")
+    module = types.ModuleType("shapes_the_parser")
+    module.__file__ = str(source)
+    monkeypatch.setitem(sys.modules, "shapes_the_parser", module)
+    monkeypatch.setattr(cli_help, "PACKAGE", package)
+    monkeypatch.setenv("FUSEDALIGN_CACHE", str(tmp_path / "cache"))
+    renders = []
+    monkeypatch.setattr(cli_help, "render_help", lambda command, full: renders.append(command) or f"help {len(renders)}")
+
+    assert cli_help.help_text("dpo") == "help 1"
+    assert cli_help.help_text("dpo") == "help 1"
+    os.utime(source, (1, 1))  # a checkout or a pull: new mtimes, same content
+    source.write_text(source.read_text())
+    assert cli_help.help_text("dpo") == "help 1" and len(renders) == 1
+    source.write_text("beta = 0.2\n")
+    assert cli_help.help_text("dpo") == "help 2"
+    assert cli_help.help_text("dpo") == "help 2"
+    real_version = cli_help.importlib.metadata.version
+    monkeypatch.setattr(cli_help.importlib.metadata, "version",
+                        lambda dist: "99.0" if dist == "transformers" else real_version(dist))
+    assert cli_help.help_text("dpo") == "help 3"  # TrainingArguments' flags depend on the transformers version
+    assert cli_help.help_text("kto") == "help 4" and renders == ["dpo", "dpo", "dpo", "kto"]
+
+
 def test_loss_type_help_and_error_name_the_same_values(tmp_path, monkeypatch, capsys):
     from fusedalign.losses import DPO_LOSSES
 
