@@ -11,6 +11,11 @@ batch x 256 tokens), at each batch size:
                 (generate's own auto-compile; on CUDA only)
     continuous  model.generate_batch (continuous batching, paged attention), where the
                 installed transformers has it
+    dynamic_eos dynamic with an end-of-sequence id (the vocabulary's last, about never drawn):
+                what a trainer runs, generate then reads the finished rows back every token
+    ours        fusedalign.generation.StaticDecode (GRPO's default generator on CUDA): a static
+                cache, every token one CUDA graph replay, the same end-of-sequence id
+    ours_eager  the same loop without the CUDA graph
 
 Each method runs in its own subprocess (compilation caches and allocator state never
 leak between them). Per batch size: one untimed call (it holds compilation and CUDA
@@ -43,7 +48,7 @@ from benchmarks.harness import runner  # noqa: E402
 from benchmarks.harness.env import gpu_info, log, versions, versions_line  # noqa: E402
 from benchmarks.harness.tables import fmt, markdown, ratio, write_markdown  # noqa: E402
 
-METHODS = ("dynamic", "static", "continuous")
+METHODS = ("dynamic", "dynamic_eos", "static", "continuous", "ours", "ours_eager")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -88,13 +93,21 @@ def unavailable(method: str) -> str | None:
     return None
 
 
-def generation_config(args, method: str, pad: int):
+def generation_config(args, method: str, pad: int, eos: int):
     from transformers import GenerationConfig
+
+    if method.startswith("ours"):
+        from fusedalign.generation import StaticDecode
+
+        return StaticDecode(max_new_tokens=args.new_tokens, eos_token_id=eos, pad_token_id=pad, temperature=1.0,
+                            top_p=1.0, top_k=0, cuda_graphs=method == "ours")
 
     options = dict(max_new_tokens=args.new_tokens, do_sample=True, temperature=1.0, top_p=1.0, top_k=0, use_cache=True,
                    pad_token_id=pad, eos_token_id=None, bos_token_id=None)
     if method == "dynamic":
         return GenerationConfig(**options, disable_compile=True)
+    if method == "dynamic_eos":
+        return GenerationConfig(**{**options, "eos_token_id": eos}, disable_compile=True)
     if method == "static":
         return GenerationConfig(**options, cache_implementation="static")
     return GenerationConfig(**options)
@@ -104,6 +117,10 @@ def generate_once(model, method: str, prompts, config) -> int:
     """One call; returns the number of new tokens produced."""
     import torch
 
+    if method.startswith("ours"):
+        rows = prompts.tolist()
+        config.generate(model, rows, [(i, 0) for i in range(len(rows))])
+        return len(rows) * config.last_call["steps"]
     if method == "continuous":
         outputs = model.generate_batch(prompts.tolist(), generation_config=config, progress_bar=False)
         return sum(len(o.generated_tokens) for o in outputs.values())
@@ -124,7 +141,7 @@ def run_worker(args) -> int:
         dtype = torch.bfloat16 if cuda else torch.float32
         model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype).to(args.device).eval()
         vocab = model.config.vocab_size
-        config = generation_config(args, args.worker, pad=0)
+        config = generation_config(args, args.worker, pad=0, eos=vocab - 1)
         for batch in args.batches:
             gen = torch.Generator().manual_seed(args.seed + batch)
             prompts = torch.randint(1, vocab, (batch, args.prompt_length), generator=gen).to(args.device)

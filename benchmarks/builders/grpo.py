@@ -26,7 +26,8 @@ class GRPORun:
     name: str
     trainer: str                      # "trl" or "ours"
     continuous_batching: bool = False  # TRL: use_transformers_continuous_batching
-    compile_generation: bool = False   # ours: static cache with compiled decoding
+    compile_generation: bool = False   # ours: generate's static cache with compiled decoding
+    generation_backend: str = "auto"   # ours: auto (StaticDecode on CUDA), generate or static
     about: str = ""
 
 
@@ -34,8 +35,11 @@ RUNS = {r.name: r for r in (
     GRPORun("trl", "trl", about="trl.GRPOTrainer, transformers generate (dynamic cache, compilation off), no vLLM"),
     GRPORun("trl_continuous", "trl", continuous_batching=True,
             about="trl.GRPOTrainer, use_transformers_continuous_batching=True (not run unless named)"),
-    GRPORun("ours", "ours", about="fusedalign.trainers.grpo.GRPOTrainer, its default generator"),
-    GRPORun("ours_compiled", "ours", compile_generation=True,
+    GRPORun("ours", "ours", about="fusedalign.trainers.grpo.GRPOTrainer, its default generator (on CUDA: "
+                                  "StaticDecode, a static cache and one CUDA graph replay a token)"),
+    GRPORun("ours_generate", "ours", generation_backend="generate",
+            about="ours with generation_backend='generate': transformers' generate, as TRL"),
+    GRPORun("ours_compiled", "ours", compile_generation=True, generation_backend="generate",
             about="ours with compile_generation=True: static cache, compiled decoding (weights updated in place)"),
 )}
 DEFAULT = ("trl", "ours")
@@ -142,7 +146,8 @@ def build_ours(run, s, output_dir, prompts, tokenizer, callback, timers, reward)
             self.conversational = False
             return dataset  # the columns its prompt tokenisation makes, already there: prompt_ids, row_index
 
-    args = GRPOConfig(**grpo_args(s, output_dir), compile_generation=run.compile_generation)
+    args = GRPOConfig(**grpo_args(s, output_dir), compile_generation=run.compile_generation,
+                      generation_backend=run.generation_backend)
     index = list(range(len(prompts)))
     rows = Dataset.from_dict({"prompt": [str(i) for i in index], "prompt_ids": prompts, "row_index": index})
     trainer = BenchGRPOTrainer(model=s.model_dir, reward_funcs=[reward], args=args, train_dataset=rows,

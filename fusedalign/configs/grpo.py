@@ -22,6 +22,8 @@ from fusedalign.distributed import DistributedBackend, backend_from_env
 from fusedalign.losses.grpo_advantages import AGGREGATIONS, SCALE_REWARDS
 from fusedalign.losses.grpo_policy import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, GRPOOptions
 
+GENERATION_BACKENDS = ("auto", "generate", "static")
+
 
 @dataclass
 class GRPOConfig(FusedAlignConfig):
@@ -67,6 +69,12 @@ class GRPOConfig(FusedAlignConfig):
     compile_generation: bool = field(
         default=False, metadata={"help": "Static cache with compiled decoding (GPU; TRL always disables compile). "
                                  "Not under ZeRO-3 or FSDP2, which re-materialise the weights every step."})
+    generation_backend: str = field(
+        default="auto",
+        metadata={"help": "generate: transformers' generate (TRL's path without vLLM); static: fusedalign's decoding "
+                  "loop on a static KV cache, each token one CUDA graph replay on a GPU, the same sampling "
+                  "(falls back to generate for sliding-window models or other than eager/sdpa attention); "
+                  "auto: static on a CUDA device unless generate-only options are set, else generate."})
     keyed_sampling: bool = field(
         default=False, metadata={"help": "Draw tokens by key (seed, step, row, generation, position): the same "
                                  "completions on any split over ranks and batches."})
@@ -116,6 +124,13 @@ class GRPOConfig(FusedAlignConfig):
         check_choice("importance_sampling_level", self.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
         check_choice("scale_rewards", self.scale_rewards, SCALE_REWARDS)
         check_choice("multi_objective_aggregation", self.multi_objective_aggregation, AGGREGATIONS)
+        check_choice("generation_backend", self.generation_backend, GENERATION_BACKENDS)
+        generate_only = [flag for flag, on in (("generation_kwargs", self.generation_kwargs),
+                                               ("cache_implementation", self.cache_implementation),
+                                               ("compile_generation", self.compile_generation)) if on]
+        if self.generation_backend == "static" and generate_only:
+            raise ValueError(f"--{generate_only[0]} is an option of transformers' generate; use "
+                             "--generation_backend generate (or auto) with it, or drop it.")
         if self.replay_completions is not None and self.keyed_sampling:
             raise ValueError("--replay_completions replays recorded completions; it cannot be combined with "
                              "--keyed_sampling (which samples new ones)")
@@ -186,6 +201,16 @@ class GRPOConfig(FusedAlignConfig):
             if (self.per_device_eval_batch_size * self.world_size) % g:
                 raise ValueError(f"num_generations_eval ({g}) must divide per_device_eval_batch_size x ranks "
                                  f"({self.per_device_eval_batch_size * self.world_size}).")
+
+    @property
+    def resolved_generation_backend(self) -> str:
+        """"generate" or "static": what `auto` means for this run (static on CUDA, unless an
+        option only generate has is set)."""
+        if self.generation_backend != "auto":
+            return self.generation_backend
+        if self.generation_kwargs or self.cache_implementation or self.compile_generation:
+            return "generate"
+        return "static" if self.device.type == "cuda" else "generate"
 
     def loss_options(self) -> GRPOOptions:
         """The options the loss functions read."""

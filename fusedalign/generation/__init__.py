@@ -1,6 +1,7 @@
 """GRPO generation: a small generator interface and its implementations.
 
     generator = HFGenerate.from_args(args, tokenizer)                  # transformers' generate
+    generator = StaticDecode.from_args(args, tokenizer)                # static cache, CUDA graph a token
     generator = HFGenerate.from_args(args, tokenizer, KeyedSampler(seed))   # batch-invariant draws
     generator = Replay.load("completions.jsonl")                      # recorded completions
     with generation_weights(model_wrapped, accelerator) as model:     # fusedalign.distributed
@@ -12,8 +13,9 @@ from .base import GenerationError, GenerationOutput, Generator, RowKey, cut_afte
 from .hf import HFGenerate
 from .keyed import KeyedSampler, filter_logits, gumbel_noise
 from .replay import Recorder, Replay
+from .static import StaticDecode
 
 __all__ = [
     "GenerationError", "GenerationOutput", "Generator", "HFGenerate", "KeyedSampler", "Recorder", "Replay", "RowKey",
-    "cut_after_eos", "filter_logits", "gumbel_noise", "left_pad",
+    "StaticDecode", "cut_after_eos", "filter_logits", "gumbel_noise", "left_pad",
 ]

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 from fusedalign.configs import GRPOConfig
 from fusedalign.data.grpo import GenerationBatchSampler, collate_rows
 from fusedalign.data.prompts import prepare_prompt_dataset
-from fusedalign.generation import HFGenerate, KeyedSampler, Replay
+from fusedalign.generation import HFGenerate, KeyedSampler, Replay, StaticDecode
 from fusedalign.losses import (
     GRPOLossMetrics,
     count_items,
@@ -188,4 +188,6 @@ def _default_generator(args: GRPOConfig, tokenizer: Any) -> Any:
     if args.keyed_sampling:
         sampler = KeyedSampler(args.seed, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                min_p=args.min_p)
+    if args.resolved_generation_backend == "static":
+        return StaticDecode.from_args(args, tokenizer, sampler)
     return HFGenerate.from_args(args, tokenizer, sampler)

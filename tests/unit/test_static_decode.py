@@ -1,0 +1,222 @@
+"""StaticDecode: the same completions as transformers' generate (greedy, keyed, penalised), the same
+sampling distribution, the fallback, the GRPO flag; on CUDA (skipped without), one CUDA graph a token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fusedalign.configs import GRPOConfig
+from fusedalign.generation import HFGenerate, KeyedSampler, StaticDecode
+from fusedalign.generation.static import gumbel_max, process_logits
+from fusedalign.models import load_model, load_tokenizer
+
+PROMPT_LENGTHS = (3, 7, 5, 1, 9)  # left padding of every amount, a one-token prompt
+
+
+def _prompts(seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 400, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+
+
+def _keys(n: int) -> list[tuple[int, int]]:
+    return [(i, i % 2) for i in range(n)]
+
+
+def _kw(tok, **more) -> dict:
+    return dict(max_new_tokens=14, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **more)
+
+
+@pytest.mark.parametrize("name,attn", [("builtin:tiny-qwen2", "sdpa"), ("builtin:tiny-qwen2", "eager"),
+                                       ("builtin:tiny-llama", "sdpa")])
+@pytest.mark.parametrize("flags", [dict(do_sample=False), dict(do_sample=False, repetition_penalty=1.4),
+                                   dict(temperature=0.7, top_k=30, top_p=0.9, min_p=0.02, keyed=True)],
+                         ids=["greedy", "penalty", "keyed"])
+def test_completions_equal_generates(name, attn, flags):
+    """Greedy (with and without the repetition penalty over prompt and completion) and keyed
+    sampling: every token, the truncation flags and the sampler's log-probs as generate's."""
+    model, tok = load_model(name, attn_implementation=attn).eval(), load_tokenizer(name)
+    flags = dict(flags)
+    keyed = flags.pop("keyed", False)
+    prompts, keys = _prompts(), _keys(len(PROMPT_LENGTHS))
+
+    def sampler():
+        return KeyedSampler(3, temperature=0.7, top_k=30, top_p=0.9, min_p=0.02) if keyed else None
+
+    want = HFGenerate(**_kw(tok, sampler=sampler(), **flags)).generate(model, prompts, keys, step=2)
+    decode = StaticDecode(**_kw(tok, sampler=sampler(), **flags))
+    got = decode.generate(model, prompts, keys, step=2)
+    assert decode.last_call["path"] == "static" and decode.last_call["graph"] is False
+    assert got.completion_ids == want.completion_ids
+    assert got.truncated == want.truncated
+    assert any(len(c) > 3 for c in got.completion_ids)
+    if keyed:
+        for a, b in zip(got.logprobs, want.logprobs):
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-5)
+
+
+def test_a_finished_row_gets_padding_and_the_loop_stops_early():
+    model, tok = load_model("builtin:tiny-qwen2").eval(), load_tokenizer("builtin:tiny-qwen2")
+    prompts, keys = _prompts(), _keys(len(PROMPT_LENGTHS))
+    # Declare as EOS the token each row draws second: every row ends within two tokens.
+    first = StaticDecode(**_kw(tok, do_sample=False)).generate(model, prompts, keys).completion_ids
+    eos = sorted({c[1] for c in first if len(c) > 1})
+    decode = StaticDecode(max_new_tokens=40, eos_token_id=eos, pad_token_id=tok.pad_token_id, do_sample=False,
+                          check_every=2)
+    got = decode.generate(model, prompts, keys)
+    want = HFGenerate(max_new_tokens=40, eos_token_id=eos, pad_token_id=tok.pad_token_id,
+                      do_sample=False).generate(model, prompts, keys)
+    assert got.completion_ids == want.completion_ids and got.truncated == want.truncated
+    assert all(len(c) <= 2 for c in got.completion_ids) and not any(got.truncated)
+    assert decode.last_call["steps"] <= 4  # every row done after 2 tokens, checked every 2
+
+
+def test_processing_is_transformers_logits_processors():
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    g = torch.Generator().manual_seed(1)
+    z = torch.randn(4, 60, generator=g) * 3
+    ids = torch.randint(0, 60, (4, 9), generator=g)
+    want = z.clone()
+    for p in (RepetitionPenaltyLogitsProcessor(1.3), TemperatureLogitsWarper(0.7), TopKLogitsWarper(25),
+              TopPLogitsWarper(0.85), MinPLogitsWarper(0.03)):
+        want = p(ids, want)
+    seen = torch.zeros(4, 60, dtype=torch.bool).scatter_(1, ids, True)
+    got = process_logits(z, seen, repetition_penalty=1.3, temperature=0.7, top_k=25, top_p=0.85, min_p=0.03)
+    kept = torch.isfinite(want) & (want > torch.finfo(want.dtype).min)
+    assert kept.any(1).all() and (~kept).any()
+    assert torch.equal(got > torch.finfo(got.dtype).min, kept)
+    torch.testing.assert_close(got.softmax(-1), want.softmax(-1))
+
+
+def test_draws_are_samples_of_the_softmax():
+    z = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, torch.finfo(torch.float32).min])
+    torch.manual_seed(0)
+    tokens = gumbel_max(z.expand(200_000, -1).contiguous())
+    got = torch.bincount(tokens, minlength=6).double() / tokens.numel()
+    want = z.double().softmax(-1)
+    assert 0.5 * (got - want).abs().sum() < 0.005, (got, want)
+    assert got[5] == 0
+
+
+def test_sliding_window_models_fall_back_to_generate():
+    model, tok = load_model("builtin:tiny-gemma2").eval(), load_tokenizer("builtin:tiny-gemma2")
+    decode = StaticDecode(**_kw(tok, do_sample=False))
+    prompts, keys = _prompts(), _keys(len(PROMPT_LENGTHS))
+    got = decode.generate(model, prompts, keys)
+    assert decode.last_call == {"path": "generate", "why": "sliding-window layers"}
+    assert got.completion_ids == HFGenerate(**_kw(tok, do_sample=False)).generate(model, prompts, keys).completion_ids
+
+
+def test_generation_backend_flag(tmp_path):
+    args = GRPOConfig(output_dir=str(tmp_path))
+    assert args.generation_backend == "auto"
+    assert args.resolved_generation_backend == ("static" if args.device.type == "cuda" else "generate")
+    assert GRPOConfig(output_dir=str(tmp_path), generation_backend="static").resolved_generation_backend == "static"
+    assert GRPOConfig(output_dir=str(tmp_path), cache_implementation="static").resolved_generation_backend == "generate"
+    with pytest.raises(ValueError, match="generation_kwargs is an option of transformers' generate"):
+        GRPOConfig(output_dir=str(tmp_path), generation_backend="static", generation_kwargs={"top_k": 3})
+    with pytest.raises(ValueError, match="generation_backend"):
+        GRPOConfig(output_dir=str(tmp_path), generation_backend="vllm")
+
+
+def test_grpo_trains_the_same_on_either_generation_backend(tmp_path):
+    """Keyed sampling gives the same completions on either backend, so two GRPO steps log the
+    same values and end at the same weights; the static backend really ran."""
+    from fusedalign.data import load_dataset_any
+    from fusedalign.rewards import load_reward_function
+    from fusedalign.trainers.grpo import GRPOTrainer
+
+    prompts = load_dataset_any("builtin:zen", "standard_prompt_only").select(range(8))
+    runs = {}
+    for backend in ("generate", "static"):
+        args = GRPOConfig(output_dir=str(tmp_path / backend), max_steps=2, learning_rate=0.05, optim="sgd",
+                          per_device_train_batch_size=8, num_generations=4, max_completion_length=10,
+                          logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, seed=0,
+                          keyed_sampling=True, generation_backend=backend)
+        torch.manual_seed(0)
+        trainer = GRPOTrainer(load_model("builtin:tiny-qwen2"), reward_funcs=load_reward_function("zen_words"),
+                              args=args, train_dataset=prompts)
+        trainer.train()
+        assert type(trainer.generator).__name__ == {"generate": "HFGenerate", "static": "StaticDecode"}[backend]
+        logs = [{k: v for k, v in e.items() if "time" not in k and "runtime" not in k}
+                for e in trainer.state.log_history if "loss" in e]
+        runs[backend] = logs, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    for got, want in zip(runs["static"][0], runs["generate"][0], strict=True):
+        assert got.keys() == want.keys()
+        for key, value in want.items():
+            assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-7), key
+    for name, value in runs["generate"][1].items():
+        torch.testing.assert_close(runs["static"][1][name], value, rtol=1e-6, atol=1e-8, msg=name)
+    assert any(e["completions/mean_length"] > 1 for e in runs["static"][0])
+
+
+# ------------------------------------------------------------------ CUDA
+
+
+def _cuda_model(dtype=torch.float32):
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(0)
+    config = Qwen2Config(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=512, vocab_size=151936, tie_word_embeddings=True)
+    return AutoModelForCausalLM.from_config(config, dtype=dtype).cuda().eval()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("penalty", [1.0, 1.3])
+def test_cuda_graph_decoding_equals_eager_and_generate(penalty):
+    """Greedy tokens from the graph replays equal the eager loop's and generate's; the graph is
+    captured anew per call, so weights changed in place between calls are seen."""
+    tok = load_tokenizer("builtin:tiny-qwen2")
+    model = _cuda_model()
+    prompts, keys = _prompts(), _keys(len(PROMPT_LENGTHS))
+    kw = dict(max_new_tokens=40, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, do_sample=False,
+              repetition_penalty=penalty)
+    graphed, eager = StaticDecode(**kw), StaticDecode(**kw, cuda_graphs=False)
+    before = graphed.generate(model, prompts, keys).completion_ids
+    assert graphed.last_call["graph"] is True
+    assert before == eager.generate(model, prompts, keys).completion_ids
+    assert before == HFGenerate(**kw).generate(model, prompts, keys).completion_ids
+    with torch.no_grad():  # what an optimizer step does: new values in the same storage
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    after = graphed.generate(model, prompts, keys).completion_ids
+    assert after == eager.generate(model, prompts, keys).completion_ids
+    assert after != before
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graph_sampling_draws_fresh_samples_of_the_processed_softmax():
+    """A head whose logits are the same vector b at every position, whatever the context: every
+    token drawn by a graph replay follows the processed softmax of b, and the replays draw
+    fresh noise (no row repeats one token all along)."""
+    tok = load_tokenizer("builtin:tiny-qwen2")
+    model = _cuda_model()
+    vocab = model.config.vocab_size
+    b = torch.full((vocab,), -30.0, device="cuda")
+    b[:64] = torch.randn(64, generator=torch.Generator().manual_seed(0)).cuda() * 2
+    head = torch.nn.Linear(model.config.hidden_size, vocab, bias=True, device="cuda")
+    with torch.no_grad():
+        head.weight.zero_()
+        head.bias.copy_(b)
+    model.lm_head = head
+    flags = dict(temperature=0.8, top_k=40, top_p=0.95)
+    decode = StaticDecode(max_new_tokens=24, eos_token_id=vocab - 1, pad_token_id=tok.pad_token_id, **flags)
+    torch.manual_seed(0)
+    out = decode.generate(model, [_prompts()[1]] * 1024, _keys(1024))
+    assert decode.last_call["graph"] is True and decode.last_call["steps"] == 24
+    tokens = torch.tensor(out.completion_ids, device="cuda")[:, 2:]  # the replayed steps
+    want = process_logits(b[None], None, **flags)[0].double().softmax(-1)
+    got = torch.bincount(tokens.flatten(), minlength=vocab).double() / tokens.numel()
+    assert 0.5 * (got - want).abs().sum() < 0.03
+    assert got[want == 0].sum() == 0
+    assert (tokens == tokens[:, :1]).all(1).float().mean() < 0.01
