@@ -99,7 +99,7 @@ class DPOTrainer(PreferenceTrainer):
         """Adds `ref_logps` [2B], the reference's sequence log-probs, to every micro-batch, and
         for the sft term the step's chosen tokens per pair (all micro-batches and ranks)."""
         for batch in batches:
-            batch["ref_logps"] = self._reference_logps(model, batch).detach()
+            batch["ref_logps"] = self._reference_chosen_rejected_logps(model, batch).detach()
         if "sft" in self.args.loss_type:
             totals = torch.zeros(2, dtype=torch.float64, device=self.accelerator.device)
             for batch in batches:
@@ -111,12 +111,15 @@ class DPOTrainer(PreferenceTrainer):
                 batch["sft_tokens_per_pair"] = totals[0] / totals[1].clamp(min=1)
         return batches
 
-    def _sequence_logps(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _chosen_rejected_logps(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Summed completion log-probs of `model`, `[2B]`: the B chosen, then the B rejected."""
         out = self.token_logprobs(model, self.rows.model_inputs(model, inputs), self.rows.labels(inputs))
         # Summed in fp64 and rounded once, as the policy's are: equal models give equal sums.
         return self.rows.sums(out.logps, inputs)  # [2B]
 
-    def _reference_logps(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _reference_chosen_rejected_logps(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The reference's `_chosen_rejected_logps`, `[2B]` (zeros when reference-free; looked up
+        when precomputed)."""
         if self.args.reference_free:
             lengths = self.rows.lengths(batch)
             return torch.zeros(lengths.shape[0], device=lengths.device)
@@ -125,11 +128,11 @@ class DPOTrainer(PreferenceTrainer):
                 precompute_reference(self, self.reference_store, lambda b: self._reference_pairs(model, b))
             values = self.reference_store.lookup(batch[ROW_KEY])  # [B, 2]
             return torch.cat([values[:, 0], values[:, 1]])
-        return self.reference.run(model, lambda m: self._sequence_logps(m, batch))
+        return self.reference.run(model, lambda m: self._chosen_rejected_logps(m, batch))
 
     def _reference_pairs(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Reference log-probs of a batch, `[B, 2]`: chosen, rejected (for precomputing)."""
-        logps = self.reference.run(model, lambda m: self._sequence_logps(m, batch))
+        """Reference log-probs of a batch, `[B, 2]`: chosen, rejected (the rows of the precomputed store)."""
+        logps = self.reference.run(model, lambda m: self._chosen_rejected_logps(m, batch))
         return torch.stack(logps.chunk(2), dim=-1)
 
     # ------------------------------------------------------------------ loss

@@ -117,9 +117,9 @@ class KTOTrainer(PreferenceTrainer):
         sums = torch.zeros(2, device=self.accelerator.device)  # sum and count of KL log-ratios
         with torch.no_grad():
             for batch in batches:
-                batch["ref_logps"], ref_kl = self._reference_logps(model, batch)
+                batch["ref_logps"], ref_kl = self._reference_pair_logps(model, batch)
                 if self.args.uses_kl:
-                    policy_kl = self._sequence_logps(model, batch, prefix="kl_")
+                    policy_kl = self._completion_logps(model, batch, prefix="kl_")
                     scored = self.rows.lengths(batch, "kl_") > 0
                     sums += torch.stack(kl_sums(policy_kl[scored], ref_kl.to(policy_kl)[scored])).to(sums.device)
         z0 = torch.zeros((), device=self.accelerator.device)
@@ -130,23 +130,25 @@ class KTOTrainer(PreferenceTrainer):
             batch["kl"] = z0
         return batches
 
-    def _sequence_logps(self, model: nn.Module, rows: dict[str, torch.Tensor], prefix: str = "") -> torch.Tensor:
-        """Summed completion log-probs [S] of the sequences of `rows` (keys with `prefix`)."""
+    def _completion_logps(self, model: nn.Module, rows: dict[str, torch.Tensor], prefix: str = "") -> torch.Tensor:
+        """Summed completion log-probs `[S]` of `model`, one per sequence of `rows` (the keys with `prefix`)."""
         out = self.token_logprobs(model, self.rows.model_inputs(model, rows, prefix), self.rows.labels(rows, prefix))
         return self.rows.sums(out.logps, rows, prefix)
 
     def _pair_logps(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probs [B] of each row's completion and of its KL pair (zeros without KL), one forward."""
+        """(completion log-probs `[B]`, KL partner log-probs `[B]`, zeros without KL) of `model`, one forward."""
         if not self.args.uses_kl:
-            logps = self._sequence_logps(model, batch)
+            logps = self._completion_logps(model, batch)
             return logps, torch.zeros_like(logps)
         if self.rows.packed:  # both in one row (the prompt once with share_prompt)
-            logps = self._sequence_logps(model, batch, prefix="joint_")  # [2B]
+            logps = self._completion_logps(model, batch, prefix="joint_")  # [2B]
         else:
-            logps = self._sequence_logps(model, stack_kl_rows(batch, self.data_collator.pad_token_id))  # [2B]
+            logps = self._completion_logps(model, stack_kl_rows(batch, self.data_collator.pad_token_id))  # [2B]
         return logps.chunk(2)
 
-    def _reference_logps(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _reference_pair_logps(self, model: nn.Module,
+                              batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reference's `_pair_logps`: (completion `[B]`, KL partner `[B]`); looked up when precomputed."""
         if self.reference_store is not None:
             if not self.reference_store.ready:
                 precompute_reference(self, self.reference_store, lambda b: torch.stack(
