@@ -148,6 +148,22 @@ def zero3_enabled() -> bool:
     return is_deepspeed_zero3_enabled()
 
 
+def check_compile_layers_supported() -> None:
+    """Refuses compiled decoder layers (`--compile_layers`) under a backend they cannot run on.
+
+    Call it after the arguments exist (they say whether ZeRO-3 is on), before compiling.
+
+    Raises:
+        ValueError: under DeepSpeed ZeRO-3, naming the backends where the option runs.
+    """
+    if zero3_enabled():
+        raise ValueError(
+            "compile_layers (--compile_layers / --torch_compile) is not supported under DeepSpeed ZeRO-3: its "
+            "parameter hooks sit on every Linear inside a decoder layer, where compiled code would run them. "
+            "Use it on one device, DDP, ZeRO-2 or FSDP2; under ZeRO-3 use gradient checkpointing instead."
+        )
+
+
 def is_zero3(accelerator: Any) -> bool:
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     return plugin is not None and plugin.zero_stage == 3

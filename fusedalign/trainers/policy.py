@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from fusedalign.backbone import apply_liger_kernels, compile_decoder_layers
-from fusedalign.distributed import zero3_enabled
+from fusedalign.distributed import check_compile_layers_supported
 from fusedalign.models import load_model, load_tokenizer
 
 
@@ -68,10 +68,11 @@ def load_policy(model: nn.Module | str, args: Any, processing_class: Any = None,
 
 
 def compile_layers(model: nn.Module | None, args: Any) -> None:
-    """`--compile_layers`: each decoder layer's forward compiled (refused under ZeRO-3)."""
+    """`--compile_layers`: each decoder layer's forward compiled (where the backend allows it)."""
     if model is not None and getattr(args, "compile_layers", False):
+        check_compile_layers_supported()
         compile_decoder_layers(
-            model, zero3=zero3_enabled(), recompute=getattr(args, "compile_recompute", "elementwise"),
+            model, recompute=getattr(args, "compile_recompute", "elementwise"),
             **getattr(args, "_layer_compile_options", {}),
         )
 

@@ -1,5 +1,6 @@
 """The seam of `trainers/base.py`: `prepare_step` runs once per optimizer step, with all of
-that step's micro-batches, before any forward of the step; evaluation prepares each batch."""
+that step's micro-batches, before any forward of the step; evaluation prepares each batch.
+And the trainers leave what the backend allows to `fusedalign.distributed`."""
 
 from __future__ import annotations
 
@@ -85,3 +86,15 @@ def test_evaluation_prepares_each_batch_as_its_own_step(tmp_path, zen):
     order = [e for e in events if e[0] != "reference forward"]
     assert order == [("prepare", "eval", [0]), ("loss", "eval", 0), ("policy forward",),
                      ("prepare", "eval", [100]), ("loss", "eval", 100), ("policy forward",)]
+
+
+def test_compiled_layers_are_refused_under_zero3_by_the_backend_package(tmp_path, monkeypatch):
+    import fusedalign.distributed.backend as backend
+    import fusedalign.trainers.policy as policy
+
+    # The trainers ask `fusedalign.distributed` whether the option runs, never which backend is on.
+    assert not hasattr(policy, "zero3_enabled")
+    monkeypatch.setattr(backend, "zero3_enabled", lambda: True)
+    args = DPOConfig(output_dir=str(tmp_path), compile_layers=True, report_to="none")
+    with pytest.raises(ValueError, match="not supported under DeepSpeed ZeRO-3: its parameter hooks"):
+        policy.load_policy(MODEL, args)
