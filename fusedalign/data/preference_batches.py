@@ -226,7 +226,7 @@ def valid_pairs(batch: Mapping[str, Tensor]) -> Tensor:
 
 
 def _scalars(features: Sequence[Mapping], used: set[str]) -> dict[str, Tensor]:
-    """Per-row numbers other than the token lists (precomputed log-probs, index), as [B] tensors."""
+    """Per-row numbers beside the token lists (numeric columns the dataset carries), as [B] tensors."""
     return {key: torch.tensor([f[key] for f in features]) for key, value in features[0].items()
             if key not in used and isinstance(value, (Number, bool))}
 

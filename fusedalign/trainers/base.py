@@ -79,11 +79,11 @@ class FusedAlignTrainer(Trainer):
 
     # ---------------------------------------------------------------- shared helpers
 
-    def token_logprobs(self, model: nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor, **stats: Any) -> TokenLogProbs:
+    def token_logprobs(self, model: nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor,
+                       **stats: Any) -> TokenLogProbs:
         """The one way a trainer gets log-probs: fused or not, never by reading weights."""
-        return token_logprobs(
-            model, inputs, labels, fused=self.args.fused_head, temperature=getattr(self.args, "temperature", 1.0), **stats
-        )
+        return token_logprobs(model, inputs, labels, fused=self.args.fused_head,
+                              temperature=getattr(self.args, "temperature", 1.0), **stats)
 
     def checkpointed(self, name: str, component: Any) -> Any:
         """Registers a component whose `state_dict()` goes into every checkpoint (and returns it)."""

@@ -82,12 +82,12 @@ class DPOTrainer(PreferenceTrainer):
             eval_dataset=prepare_split("dpo", eval_dataset, policy.tokenizer, "eval", **tokenize),
             processing_class=policy.tokenizer, callbacks=callbacks,
         )
-        self.setup_preference(policy, reference, needed=not args.reference_free, row_tokens=lambda row: dpo_row_tokens(row, args.share_prompt),
+        self.setup_preference(policy, reference, needed=not args.reference_free,
+                              row_tokens=lambda row: dpo_row_tokens(row, args.share_prompt),
                               padded_length=_padded_length)
         self.bco_shift = None
         if "bco_pair" in args.loss_type and args.bco_running_mean:
             self.bco_shift = self.checkpointed("bco_running_mean", RunningRewardMean())
-
 
     # ------------------------------------------------------------------ the step
 

@@ -86,7 +86,8 @@ class KTOTrainer(PreferenceTrainer):
             train_dataset=train_dataset, eval_dataset=self._prepare_split(eval_dataset, policy.tokenizer, args, "eval"),
             processing_class=policy.tokenizer, callbacks=callbacks,
         )
-        self.setup_preference(policy, reference, needed=True, row_tokens=lambda row: kto_row_tokens(row, args.share_prompt, kl=args.uses_kl),
+        self.setup_preference(policy, reference, needed=True,
+                              row_tokens=lambda row: kto_row_tokens(row, args.share_prompt, kl=args.uses_kl),
                               padded_length=_padded_length)
 
     @staticmethod
@@ -101,7 +102,6 @@ class KTOTrainer(PreferenceTrainer):
         if args.uses_kl and "kl_completion_ids" not in dataset.column_names:
             dataset = add_kl_pairs(dataset, args.seed, split)
         return dataset
-
 
     # ------------------------------------------------------------------ the step
 
