@@ -122,6 +122,16 @@ def test_bco_pair_is_trl_116s_by_default_and_the_running_shift_is_explicit(tmp_p
     assert _bco_expected(trainer, args.beta, shift=True) != pytest.approx(_bco_expected(trainer, args.beta, shift=False))
 
 
+def test_bco_pair_with_the_default_config_is_trl_116s_without_a_running_shift(tmp_path, pairs):
+    # Issue 18: the test above always passes bco_running_mean, so it cannot see the default.
+    args = _dpo_args(tmp_path, loss_type=["bco_pair"], ref_model_name_or_path=OTHER)
+    assert args.bco_running_mean is False and DPOConfig(output_dir=str(tmp_path)).bco_running_mean is False
+    trainer = DPOTrainer(load_model(MODEL), args=args, train_dataset=pairs)
+    assert trainer.bco_shift is None
+    trainer.train()
+    assert _logs(trainer)[0]["loss"] == pytest.approx(_bco_expected(trainer, args.beta, shift=False), rel=1e-5)
+
+
 def test_bco_running_mean_survives_resume(tmp_path, pairs):
     def run(out, resume=None):
         args = _dpo_args(out, loss_type=["bco_pair"], bco_running_mean=True, ref_model_name_or_path=OTHER,
