@@ -7,12 +7,20 @@ anything slow; starting over moves the old run's files to `OUTPUT_DIR.previous-<
 once the new run is built and about to train (so a bad flag or row leaves the old run
 where it was), and nothing is ever deleted: checkpoint names never collide with an
 older run's.
+
+Resuming from a checkpoint earlier than what the directory holds abandons the rest of
+that run: the resumed run would cut the metrics log back to the checkpoint's step and
+write its own checkpoint-N and final model over the later ones. What lies past the
+checkpoint is therefore moved to an `OUTPUT_DIR.previous-<time>` directory first, at
+the same moment and in the same way as an overwritten run.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import sys
 import time
 from typing import Any
@@ -21,6 +29,8 @@ from fusedalign.errors import CLIError
 
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 STATE_FILE = "trainer_state.json"  # written last in a checkpoint: its presence marks a complete one
+METRICS_FILE = "metrics.jsonl"
+_EARLIER_LOG = re.compile(r"^metrics\.previous-\d+\.jsonl$")  # an earlier run's log, which no run writes again
 
 
 def checkpoints(output_dir: str) -> list[str]:
@@ -68,14 +78,21 @@ def _describe(output_dir: str) -> str:
     return f"files of an earlier run ({shown})"
 
 
-def move_aside(output_dir: str) -> str:
-    """Moves the contents of `output_dir` to a new sibling directory and returns its path."""
+def _aside_path(output_dir: str) -> str:
+    """A new sibling of `output_dir`, `OUTPUT_DIR.previous-<date>-<time>`, that does not exist yet."""
     base = os.path.normpath(output_dir)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     aside, n = f"{base}.previous-{stamp}", 1
     while os.path.exists(aside):
         n += 1
         aside = f"{base}.previous-{stamp}-{n}"
+    return aside
+
+
+def move_aside(output_dir: str) -> str:
+    """Moves the contents of `output_dir` to a new sibling directory and returns its path."""
+    base = os.path.normpath(output_dir)
+    aside = _aside_path(base)
     try:
         os.rename(base, aside)
         os.makedirs(base)
@@ -118,3 +135,85 @@ def move_old_run_aside(args: Any) -> None:
             aside = move_aside(args.output_dir)
             print(f"[fusedalign] --overwrite_output_dir: the earlier run in {args.output_dir} was moved to {aside} "
                   "(nothing deleted).", file=sys.stderr)
+
+
+def checkpoint_step(checkpoint: str) -> int:
+    """The step a checkpoint was saved at: the `global_step` of its trainer_state.json."""
+    try:
+        with open(os.path.join(checkpoint, STATE_FILE)) as f:
+            return int(json.load(f)["global_step"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CLIError(f"--resume_from_checkpoint {checkpoint}: unreadable {STATE_FILE} ({err}); "
+                       "expected the one the Trainer wrote.") from None
+
+
+def _records_past(log: str, step: int) -> int:
+    """How many records of a metrics log are past `step` (lines cut short by a kill are not records)."""
+    count = 0
+    with open(log) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            count += isinstance(record, dict) and record.get("step", 0) > step
+    return count
+
+
+def _kept_on_resume(output_dir: str, checkpoint: str, step: int, name: str) -> bool:
+    """Whether an entry of `output_dir` belongs to the run up to `step`, resumed from `checkpoint`."""
+    match = _CHECKPOINT.match(name)
+    if match:
+        return int(match.group(1)) <= step
+    inside = os.path.relpath(os.path.realpath(checkpoint), os.path.realpath(output_dir))
+    return name in (METRICS_FILE, inside.split(os.sep)[0]) or bool(_EARLIER_LOG.match(name))
+
+
+def move_past_checkpoint(output_dir: str, checkpoint: str) -> str | None:
+    """Moves aside what `output_dir` holds past `checkpoint`'s step, before a run resumes from it.
+
+    The later checkpoint-N directories and every other file of the run but the metrics log
+    (its final model, tokenizer, curves) are moved to `OUTPUT_DIR.previous-<time>`; the
+    metrics log is copied there whole and then cut back to the checkpoint's step.
+
+    Returns:
+        The line that tells the user what was moved where, or None when nothing lies past the checkpoint.
+    """
+    if not os.path.isdir(output_dir):
+        return None
+    step = checkpoint_step(checkpoint)
+    log = os.path.join(output_dir, METRICS_FILE)
+    dropped = _records_past(log, step) if os.path.isfile(log) else 0
+    later = sorted(name for name in os.listdir(output_dir)
+                   if _CHECKPOINT.match(name) and int(_CHECKPOINT.match(name).group(1)) > step)
+    if not later and not dropped:
+        return None  # the checkpoint is the run's latest state: resuming abandons nothing
+    others = sorted(name for name in os.listdir(output_dir)
+                    if name not in later and not _kept_on_resume(output_dir, checkpoint, step, name))
+    aside = _aside_path(output_dir)
+    os.makedirs(aside)
+    for name in later + others:
+        os.rename(os.path.join(output_dir, name), os.path.join(aside, name))
+    if os.path.isfile(log):
+        from fusedalign.trainers.callbacks import keep_until_step
+
+        shutil.copy2(log, os.path.join(aside, METRICS_FILE))
+        keep_until_step(log, step)
+    moved = later + [_count(dropped, f"{METRICS_FILE} record")] * bool(dropped)
+    shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+    moved += [f"{_count(len(others), 'other file')} of the run ({shown})"] * bool(others)
+    return (f"[fusedalign] resuming from step {step}: what {output_dir} held past it was moved to {aside} "
+            f"(nothing deleted): {', '.join(moved)}; the whole earlier {METRICS_FILE} is there too.")
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'s' if n != 1 else ''}"
+
+
+def move_past_checkpoint_aside(args: Any, checkpoint: str) -> None:
+    """Just before a resumed run trains: the saving process moves aside what lies past its checkpoint."""
+    with args.main_process_first(local=args.save_on_each_node, desc="moving aside what lies past the checkpoint"):
+        if args.should_save:
+            report = move_past_checkpoint(args.output_dir, checkpoint)
+            if report:
+                print(report, file=sys.stderr)

@@ -25,7 +25,9 @@ _PERCENT = re.compile(r"%\(\w+\)[a-z]|%")
 HELP_OVERRIDES = {
     "resume_from_checkpoint": "A checkpoint directory to continue from, or `last` (also `true`): the latest "
                               "complete checkpoint-N in --output_dir. metrics.jsonl keeps the records up to the "
-                              "checkpoint's step and continues from there.",
+                              "checkpoint's step and continues from there; what --output_dir holds past that step "
+                              "(later checkpoints, records, the final model) is moved to "
+                              "OUTPUT_DIR.previous-<date>-<time>.",
 }
 
 # TRL's name for the fused head switch; Trainer has its own field of that name.

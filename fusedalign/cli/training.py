@@ -9,7 +9,13 @@ from typing import Any
 
 from fusedalign.cli.commands import TRAINING_COMMANDS, load
 from fusedalign.cli.interrupt import Interrupted, InterruptGuard
-from fusedalign.cli.output_dir import check_output_dir, last_checkpoint, move_old_run_aside, resolve_resume
+from fusedalign.cli.output_dir import (
+    check_output_dir,
+    last_checkpoint,
+    move_old_run_aside,
+    move_past_checkpoint_aside,
+    resolve_resume,
+)
 from fusedalign.errors import CLIError
 
 
@@ -133,12 +139,15 @@ def _run(command: str, argv: list[str], guard: InterruptGuard, run: dict[str, An
     script, args, model_args, run_args = parse(command, types, argv)
     run["args"] = args
     resume = resolve_resume(args.resume_from_checkpoint, args.output_dir)
-    # Refused before the slow part; an old run is moved aside only once the new one is ready to write.
+    # Refused before the slow part; an old run (or what lies past the checkpoint resumed from) is moved
+    # aside only once the new one is ready to write.
     move_aside = check_output_dir(args.output_dir, resume=resume, overwrite=run_args.overwrite_output_dir)
     train, evaluate = load_splits(command, script, args)
     trainer = _build_trainer(command, script, args, model_args, train, evaluate)
     if move_aside:
         move_old_run_aside(args)
+    elif resume is not None:
+        move_past_checkpoint_aside(args, resume)
     run["training"] = True
     _train_and_save(trainer, args, resume, guard)
     teardown_distributed()

@@ -372,7 +372,57 @@ def test_resume_continues_the_log_without_duplicates(tmp_path):
     assert main(["dpo", "--max_steps", "5", "--save_steps", "2", "--eval_strategy", "no", "--output_dir", str(out),
                  "--resume_from_checkpoint", "last"]) == 0
     assert _steps(out) == [1, 2, 3, 4, 5]
-    assert all((out / f"checkpoint-{n}" / "trainer_state.json").is_file() for n in (2, 3, 4, 5))
+    assert all((out / f"checkpoint-{n}" / "trainer_state.json").is_file() for n in (2, 4, 5))
+    # checkpoint-3 of the first run was moved aside by the resume from checkpoint-2; resuming from the last one moves nothing.
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("run.previous-")]
+    assert len(aside) == 1 and sorted(os.listdir(aside[0] / "checkpoint-3")) == sorted(os.listdir(out / "checkpoint-5"))
+    assert not (out / "checkpoint-3").exists()
+
+
+def test_resuming_from_an_earlier_checkpoint_moves_what_lies_past_it_aside(tmp_path, capsys):
+    out = tmp_path / "run"
+    flags = ["--max_steps", "4", "--save_steps", "2", "--eval_strategy", "no", "--output_dir", str(out)]
+    assert main(["sft", *flags]) == 0
+    first = {name: (out / name).read_bytes() for name in ("metrics.jsonl", "model.safetensors", "training_args.bin")}
+    checkpoint_4 = (out / "checkpoint-4" / "model.safetensors").read_bytes()
+    checkpoint_2 = {p.name: p.read_bytes() for p in (out / "checkpoint-2").iterdir()}
+    capsys.readouterr()
+    assert main(["sft", *flags, "--resume_from_checkpoint", str(out / "checkpoint-2")]) == 0
+    err = capsys.readouterr().err
+    (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("run.previous-")]
+    # Nothing the first run wrote is lost: its later checkpoint, final files and whole log are aside.
+    assert (aside / "checkpoint-4" / "model.safetensors").read_bytes() == checkpoint_4
+    assert {name: (aside / name).read_bytes() for name in first} == first
+    assert not (aside / "checkpoint-2").exists()
+    assert {p.name: p.read_bytes() for p in (out / "checkpoint-2").iterdir()} == checkpoint_2
+    # The resumed run is one run: its own steps 3 and 4, each logged once, and its own checkpoint-4.
+    assert _steps(out) == [1, 2, 3, 4] and (out / "checkpoint-4" / "trainer_state.json").is_file()
+    (line,) = [line for line in err.splitlines() if "moved" in line]
+    assert line.startswith(f"[fusedalign] resuming from step 2: what {out} held past it was moved to {aside} "
+                           "(nothing deleted): checkpoint-4, ")
+    assert "metrics.jsonl records" in line and "other files of the run" in line
+
+
+def test_resuming_moves_aside_only_what_lies_past_the_checkpoint(tmp_path):
+    from fusedalign.cli.output_dir import move_past_checkpoint
+
+    out = tmp_path / "run"
+    for name, step in (("checkpoint-2", 2), ("best", 2)):
+        (out / name).mkdir(parents=True)
+        (out / name / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    (out / "metrics.previous-1.jsonl").write_text("{}\n")
+    log = "".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2)) + '{"step": 2, "eval_loss": 1.0}\n'
+    (out / "metrics.jsonl").write_text(log)
+    assert move_past_checkpoint(str(out), str(out / "checkpoint-2")) is None  # the latest state: nothing abandoned
+    assert not list(tmp_path.glob("run.previous-*"))
+    # Interrupted after step 3, before its checkpoint: record 3 is kept aside, with the whole log.
+    (out / "metrics.jsonl").write_text(log + '{"step": 3, "loss": 0.5}\n{"step": 3, "lo')
+    report = move_past_checkpoint(str(out), str(out / "best"))
+    (aside,) = tmp_path.glob("run.previous-*")
+    assert "(nothing deleted): 1 metrics.jsonl record;" in report and os.listdir(aside) == ["metrics.jsonl"]
+    assert (aside / "metrics.jsonl").read_text().startswith(log + '{"step": 3')
+    assert (out / "metrics.jsonl").read_text() == log
+    assert sorted(os.listdir(out)) == ["best", "checkpoint-2", "metrics.jsonl", "metrics.previous-1.jsonl"]
 
 
 def test_resume_last_without_a_checkpoint_is_an_error(tmp_path, capsys):
