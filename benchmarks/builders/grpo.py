@@ -28,6 +28,7 @@ class GRPORun:
     continuous_batching: bool = False  # TRL: use_transformers_continuous_batching
     compile_generation: bool = False   # ours: generate's static cache with compiled decoding
     generation_backend: str = "auto"   # ours: auto (StaticDecode on CUDA), generate or static
+    compile_layers: bool = False       # ours: each decoder layer torch.compile'd (element-wise ops recomputed)
     about: str = ""
 
 
@@ -37,6 +38,8 @@ RUNS = {r.name: r for r in (
             about="trl.GRPOTrainer, use_transformers_continuous_batching=True (not run unless named)"),
     GRPORun("ours", "ours", about="fusedalign.trainers.grpo.GRPOTrainer, its default generator (on CUDA: "
                                   "StaticDecode, a static cache and one CUDA graph replay a token)"),
+    GRPORun("ours_compile", "ours", compile_layers=True,
+            about="ours with compile_layers=True: decoder layers compiled, element-wise ops recomputed in the backward"),
     GRPORun("ours_generate", "ours", generation_backend="generate",
             about="ours with generation_backend='generate': transformers' generate, as TRL"),
     GRPORun("ours_compiled", "ours", compile_generation=True, generation_backend="generate",
@@ -147,7 +150,7 @@ def build_ours(run, s, output_dir, prompts, tokenizer, callback, timers, reward)
             return dataset  # the columns its prompt tokenisation makes, already there: prompt_ids, row_index
 
     args = GRPOConfig(**grpo_args(s, output_dir), compile_generation=run.compile_generation,
-                      generation_backend=run.generation_backend)
+                      generation_backend=run.generation_backend, compile_layers=run.compile_layers)
     index = list(range(len(prompts)))
     rows = Dataset.from_dict({"prompt": [str(i) for i in index], "prompt_ids": prompts, "row_index": index})
     trainer = BenchGRPOTrainer(model=s.model_dir, reward_funcs=[reward], args=args, train_dataset=rows,

@@ -219,4 +219,7 @@ def test_cuda_graph_sampling_draws_fresh_samples_of_the_processed_softmax():
     got = torch.bincount(tokens.flatten(), minlength=vocab).double() / tokens.numel()
     assert 0.5 * (got - want).abs().sum() < 0.03
     assert got[want == 0].sum() == 0
-    assert (tokens == tokens[:, :1]).all(1).float().mean() < 0.01
+    # Fresh noise each replay: a row repeats one token all along as often as independent draws
+    # do (sum of p^22; the same noise every replay would make it every row).
+    repeated = (tokens == tokens[:, :1]).all(1).double().mean()
+    assert abs(repeated - (want ** tokens.shape[1]).sum()) < 0.04, (repeated, (want ** tokens.shape[1]).sum())
