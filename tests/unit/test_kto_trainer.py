@@ -1,12 +1,15 @@
 """KTOTrainer on a tiny model: fused = unfused, any split of the step trains the same,
 reference modes, z0 and the loss against a hand computation, one-class batches, bad input;
 padding-free, shared-prompt (the reference's joint row) and token-budget training equal padded
-training (every logged value, weights, evaluation, precomputed reference)."""
+training (every logged value, weights, evaluation, precomputed reference), also on edge rows
+(one-token completions and prompt, no prompt, nothing to score, cut prompts and completions) on
+tiny-qwen2, tiny-llama and tiny-gemma2 (eager; sdpa refused)."""
 
 from __future__ import annotations
 
 import logging
 import math
+import random
 
 import pytest
 import torch
@@ -435,3 +438,133 @@ def test_packed_rows_refuse_what_cannot_run(tmp_path, zen):
     # A budget fills micro-batches with as many examples as fit: a per-device batch of 1 is no limit then.
     KTOTrainer(_policy(), args=_args(tmp_path, padding_free=True, max_tokens_per_batch=512, per_device_train_batch_size=1),
                train_dataset=zen)
+
+
+# ------------------------------------------------------------------ packed rows: edge cases, three models
+
+
+EDGE = dict(max_length=48, max_prompt_length=24)
+EDGE_ROWS = 16
+
+
+def _tokens(g: random.Random, n: int) -> list[int]:
+    return [g.randrange(1, 512) for _ in range(n)]
+
+
+def _edge_rows(max_length: int = 48, max_prompt_length: int = 24, seed: int = 0, long: int = 0) -> Dataset:
+    """Tokenised unpaired rows, both labels: one-token completions, a one-token prompt, no prompt
+    (once with a one-token completion: nothing to score), a prompt over max_prompt_length and a
+    completion over max_length (both cut when the split is prepared), uneven lengths; `long` more
+    rows of 40-60 prompt and 15-30 completion tokens."""
+    g = random.Random(seed)
+    shapes = [(9, 1, True), (5, 1, False), (1, 6, False), (0, 4, True), (0, 1, True),
+              (max_prompt_length + 16, 12, False), (6, max_length + 10, True)]
+    shapes += [(g.randint(2, 20), g.randint(1, 16), i % 2 == 0) for i in range(EDGE_ROWS - len(shapes) - long)]
+    shapes += [(g.randint(40, 60), g.randint(15, 30), i % 2 == 1) for i in range(long)]
+    return Dataset.from_list([dict(prompt_ids=_tokens(g, p), completion_ids=_tokens(g, c), label=label)
+                              for p, c, label in shapes])
+
+
+def _assert_edges_cut(trainer, max_length: int = 48, max_prompt_length: int = 24) -> None:
+    rows = trainer.train_dataset
+    assert (len(rows[4]["prompt_ids"]), len(rows[4]["completion_ids"])) == (0, 1)  # nothing to score
+    assert (len(rows[5]["prompt_ids"]), len(rows[5]["completion_ids"])) == (max_prompt_length, 12)
+    assert (len(rows[6]["prompt_ids"]), len(rows[6]["completion_ids"])) == (6, max_length - 6)
+
+
+def _edge_models(name: str, warm_state) -> tuple:
+    """(policy, reference) that differ from the first step, so rewards and z0 are live: tiny-qwen2
+    fresh with the warm checkpoint as its reference (on random tokens the fresh model is the more
+    likely one: z0 > 0), tiny-llama with tiny-qwen2 (the same tokenizer)."""
+    if name == "qwen2":
+        return _policy(), _policy(warm_state)
+    return load_model("builtin:tiny-llama"), load_model(MODEL)
+
+
+@pytest.fixture(scope="module")
+def edge_baselines(tmp_path_factory, warm_state):
+    """Padded, unfused training on `_edge_rows`, per model (trained once, when first asked for)."""
+    runs = {}
+
+    def get(name: str):
+        if name not in runs:
+            policy, reference = _edge_models(name, warm_state)
+            runs[name] = _train(policy, _args(tmp_path_factory.mktemp(f"edge-{name}"), fused_head=False, **EDGE),
+                                _edge_rows(), ref_model=reference)
+        return runs[name]
+
+    return get
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("name", ["qwen2", "llama"])
+def test_edge_rows_train_like_padded_rows(tmp_path, warm_state, edge_baselines, name, layout, fused):
+    """One-token completions and prompt, no prompt, nothing to score, cut prompts and completions, uneven
+    lengths: padding-free and shared-prompt training, fused or not, log every value of every step and
+    end at the weights of padded unfused training."""
+    want = edge_baselines(name)
+    policy, reference = _edge_models(name, warm_state)
+    got = _train(policy, _args(tmp_path, fused_head=fused, **EDGE, **LAYOUTS[layout]), _edge_rows(),
+                 ref_model=reference)
+    _assert_edges_cut(got[0])
+    batch = _first_batch(got[0])
+    assert batch["input_ids"].shape[0] == batch["joint_input_ids"].shape[0] == 1 and "attention_mask" not in batch
+    assert min(want[2]) > 0  # z0 is live in every step
+    _assert_same_logs(got, want)
+
+
+def test_gemma2_edge_rows_train_like_padded_rows_on_eager_attention_past_its_window(tmp_path):
+    """tiny-gemma2 soft-caps its attention logits: sdpa is refused for packed rows, eager trains like
+    padded rows, in rows that reach past its first layer's 64-token sliding window."""
+    options = dict(max_length=96, max_prompt_length=64)
+    rows = _edge_rows(**options, long=4)
+    sdpa = load_model("builtin:tiny-gemma2")
+    sdpa.config._attn_implementation = "sdpa"  # transformers itself refuses to load Gemma 2 with sdpa
+    with pytest.raises(PackedAttentionError, match="padding_free: Gemma2ForCausalLM soft-caps its attention logits, "
+                                                   "which sdpa does not support; use --attn_implementation eager"):
+        KTOTrainer(sdpa, args=_args(tmp_path / "sdpa", padding_free=True, **options), train_dataset=rows)
+
+    def run(path, **layout):
+        torch.manual_seed(1)
+        policy = load_model("builtin:tiny-gemma2")
+        with torch.no_grad():  # a policy off its reference from the first step
+            for param in policy.parameters():
+                param.add_(0.02 * torch.randn_like(param))
+        return _train(policy, _args(tmp_path / path, **options, **layout), rows)
+
+    want = run("padded", fused_head=False)
+    assert want[0].model.config._attn_implementation == "eager"
+    _assert_edges_cut(want[0], **options)
+    prepared = want[0].train_dataset
+    assert max(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in prepared) > 64
+    assert max(want[2]) > 0
+    for layout in sorted(LAYOUTS):
+        _assert_same_logs(run(layout, **LAYOUTS[layout]), want)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_edge_rows_straddling_token_budgets_train_like_one_padded_batch(tmp_path, warm_state, layout):
+    """A budget just over the longest example (with its KL partner): an example that does not fit what
+    is left of a micro-batch goes whole into another, micro-batches hold different numbers of examples;
+    every step accumulates them all and equals one padded batch of the 16 rows."""
+    policy, reference = _edge_models("qwen2", warm_state)
+    want = _train(policy, _args(tmp_path / "padded", fused_head=False, per_device_train_batch_size=EDGE_ROWS, **EDGE),
+                  _edge_rows(), ref_model=reference)
+    share = layout == "shared_prompt"
+    tokens = [kto_row_tokens(r, share) for r in want[0].train_dataset]
+    budget = max(tokens) + 2
+    plan = TokenBudgetBatchSampler(tokens, budget, seed=0).batches
+    loads = [sum(tokens[i] for i in b) for b in plan]
+    assert len(plan) >= 4 and len({len(b) for b in plan}) >= 2 and max(loads) <= budget, (plan, loads)
+    # Examples that did not fit what an earlier micro-batch had left, and went whole into a later one.
+    straddling = [i for k, b in enumerate(plan) for i in b
+                  if any(load < budget < load + tokens[i] for load in loads[:k])]
+    assert straddling, (plan, loads)
+    policy, reference = _edge_models("qwen2", warm_state)
+    got = _train(policy, _args(tmp_path / "budget", max_tokens_per_batch=budget, per_device_train_batch_size=1,
+                               gradient_accumulation_steps=len(plan), train_sampling_strategy="random", **EDGE,
+                               **LAYOUTS[layout]), _edge_rows(), ref_model=reference)
+    assert got[0].micro_batches.budget.batches == plan
+    assert min(want[2]) > 0
+    _assert_same_logs(got, want)

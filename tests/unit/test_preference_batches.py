@@ -301,20 +301,32 @@ def test_kto_layouts_share_the_prompt_with_the_kl_partner():
     assert "kl_input_ids" not in PackedKTOCollator()(without_kl)
 
 
-def test_kto_joint_reference_row_equals_its_two_padded_rows():
-    """The reference's one forward over completions and KL partners, prompt shared, equals the padded rows."""
-    model = _model("llama", "eager")
+@pytest.mark.parametrize("share", [False, True], ids=["padding_free", "shared_prompt"])
+@pytest.mark.parametrize("name, attn", [("qwen2", "sdpa"), ("llama", "eager")])
+def test_kto_joint_reference_row_equals_its_two_padded_rows(name, attn, share):
+    """The reference's one forward over completions and KL partners (the prompt shared with
+    share_prompt) equals the padded rows: each sequence's scored tokens and log-probs, their sums,
+    and every parameter's gradient of the summed log-probs (a one-token prompt and completion, no
+    prompt, an empty completion, uneven lengths)."""
+    model = _model(name, attn)
     rows = [{"prompt_ids": r["prompt_ids"], "completion_ids": r["chosen_ids"], "kl_completion_ids": r["rejected_ids"]}
             for r in ROWS["uneven"]]
-    batch = kto_batch(rows, share_prompt=True)
-    with torch.no_grad():
-        joint = sequence_logps(token_logprobs(model, attention_inputs(model, batch), batch["labels"]).logps, batch)
-        padded = DPOCollator(pad_token_id=0)([{"prompt_ids": r["prompt_ids"], "chosen_ids": r["completion_ids"],
-                                               "rejected_ids": r["kl_completion_ids"]} for r in rows])
-        labels = position_labels(padded["input_ids"], padded["completion_mask"])
-        logps = token_logprobs(model, {"input_ids": padded["input_ids"], "attention_mask": padded["attention_mask"]},
-                               labels).logps
-    torch.testing.assert_close(joint, logps.double().sum(-1).float(), **TOL)
+    batch = _on(model, kto_batch(rows, share_prompt=share))
+    labels, seq = batch["labels"][0], batch["sequence_ids"][0]
+    token_logps = token_logprobs(model, attention_inputs(model, batch), batch["labels"]).logps
+    joint = sequence_logps(token_logps, batch)  # [2B]: completions, then KL partners
+    padded_rows = [{"prompt_ids": r["prompt_ids"], "chosen_ids": r["completion_ids"],
+                    "rejected_ids": r["kl_completion_ids"]} for r in rows]
+    padded = _on(model, DPOCollator(pad_token_id=0)(padded_rows))
+    padded_labels = position_labels(padded["input_ids"], padded["completion_mask"])
+    logps = token_logprobs(model, {"input_ids": padded["input_ids"], "attention_mask": padded["attention_mask"]},
+                           padded_labels).logps
+    sums = logps.double().sum(-1).float()
+    torch.testing.assert_close(joint, sums, **TOL)
+    scored = padded_labels != IGNORE_INDEX
+    expected = [(padded_labels[s][scored[s]], logps[s][scored[s]]) for s in range(2 * len(rows))]
+    actual = [(labels[seq == s], token_logps[0][seq == s]) for s in range(2 * len(rows))]
+    _assert_same(model, (expected, sums.sum()), (actual, joint.sum()))
 
 
 def test_collator_passes_scalar_columns_and_refuses_bad_rows():
