@@ -11,7 +11,8 @@
 set -u
 OUT=${OUT:-$PWD/bench-out}
 MODEL=${MODEL:-/tmp/bench-model}
-if [ "${TINY:-0}" = 1 ]; then X="--device cpu --tiny"; SHAPE="tiny=True, dtype='fp32'"; else X=""; SHAPE="tiny=False, dtype='bf16'"; fi
+if [ "${TINY:-0}" = 1 ]; then X="--device cpu --tiny"; SHAPE="tiny=True, dtype='fp32'"; GRPO_SHAPE=""; BATCH=4
+else X=""; SHAPE="tiny=False, dtype='bf16'"; GRPO_SHAPE="--prompts 16 --num_generations 8 --new_tokens 128"; BATCH=128; fi
 mkdir -p "$OUT"
 : > "$OUT/summary.txt"
 
@@ -28,12 +29,13 @@ part() {  # part NAME SECONDS COMMAND...
 part model 30 python3 -c "from benchmarks.builders.model import build_model as b; print(b('$MODEL', $SHAPE, seed=0))"
 part e2e_dpo 200 python3 benchmarks/e2e_dpo.py $X --lengths 2048 4096 --configs ours_fused_compile trl_liger \
     --model_dir "$MODEL" --log_dir "$OUT/e2e_dpo" --markdown_out "$OUT/e2e_dpo.md"
-part grpo 100 python3 benchmarks/e2e_grpo.py $X --configs trl ours --warmup_steps 1 --timed_steps 1 \
+part grpo 120 python3 benchmarks/e2e_grpo.py $X --configs ours trl $GRPO_SHAPE \
+    --warmup_steps 2 --timed_steps 2 \
     --model_dir "$MODEL" --log_dir "$OUT/grpo" --markdown_out "$OUT/grpo.md"
-part generation 120 python3 benchmarks/generation.py $X --batches 64 256 --repeats 1 --methods dynamic continuous static \
+part generation 80 python3 benchmarks/generation.py $X --batches $BATCH --repeats 2 --methods dynamic_eos ours \
     --model_dir "$MODEL" --log_dir "$OUT/generation" --markdown_out "$OUT/generation.md"
-part real_lengths 115 python3 benchmarks/e2e_dpo.py $X --real_lengths ultrafeedback --warmup_steps 2 --timed_steps 2 \
-    --configs trl_liger ours_shared_prompt ours_padding_free ours_fused_compile trl_liger_grouped \
+part real_lengths 150 python3 benchmarks/e2e_dpo.py $X --real_lengths ultrafeedback --warmup_steps 2 --timed_steps 2 \
+    --configs trl_liger ours_shared_prompt_flex trl_liger_grouped \
     --model_dir "$MODEL" --log_dir "$OUT/real_lengths" --markdown_out "$OUT/real_lengths.md"
 rm -rf "$OUT"/*/out-* "$MODEL"
 cat "$OUT/machine.txt" "$OUT/summary.txt"

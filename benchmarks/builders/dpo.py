@@ -63,6 +63,8 @@ def availability(runs: list[DPORun], device: str) -> dict[str, str | None]:
                                   ("max_tokens_per_batch", run.token_budget)) if on]
         if not why and wanted and not set(wanted) <= fields:
             why = f"fusedalign's DPOConfig has no {', '.join(f for f in wanted if f not in fields)} yet"
+        if not why and run.attn == "flex_attention" and device != "cuda":
+            why = "flex attention's backward runs on CUDA only (PyTorch raises on the CPU)"
         reasons[run.name] = why
     return reasons
 

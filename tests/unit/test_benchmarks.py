@@ -163,6 +163,10 @@ def test_configuration_names_cited_in_docs_keep_their_options():
     real = dpo_configs.REAL
     assert real["ours_shared_prompt"].share_prompt and real["ours_shared_prompt"].padding_free
     assert real["trl_liger_grouped"].order == "grouped" and real["trl_liger"].order == "random"
+    for name in ("ours_padding_free_flex", "ours_shared_prompt_flex"):  # the real-length runs of record
+        run = real[name]
+        assert run.attn == "flex_attention" and run.pad_to_multiple_of == 1024 and run.token_budget
+        assert run.share_prompt == (name == "ours_shared_prompt_flex")
 
 
 @pytest.mark.parametrize("options, message", [
@@ -171,6 +175,7 @@ def test_configuration_names_cited_in_docs_keep_their_options():
     (dict(trainer="ours", share_prompt=True), "need padding_free"),
     (dict(trainer="ours", token_budget=True), "need padding_free"),
     (dict(trainer="deepspeed"), "trainer must be"),
+    (dict(trainer="trl", attn="flex_attention"), "options of ours"),
 ])
 def test_configuration_refuses_options_its_trainer_lacks(options, message):
     with pytest.raises(ValueError, match=message):
@@ -189,6 +194,9 @@ def test_unavailable_ours_options_are_reported_not_dropped(monkeypatch):
     reasons = dpo.availability(list(dpo_configs.REAL.values()), "cpu")
     assert reasons["ours_padding_free"] == "fusedalign's DPOConfig has no max_tokens_per_batch yet"
     assert "GPU" in reasons["trl_liger"] or "trl" in reasons["trl_liger"]
+    monkeypatch.undo()
+    reasons = dpo.availability([dpo_configs.REAL["ours_shared_prompt_flex"]], "cpu")
+    assert "CUDA only" in reasons["ours_shared_prompt_flex"]
 
 
 # ------------------------------------------------------------------------ real lengths
