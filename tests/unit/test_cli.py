@@ -62,15 +62,30 @@ def test_dpo_demo_learns_and_writes_everything(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_grpo_demo_learns_the_builtin_reward_and_writes_everything(tmp_path, capsys):
-    """`fusedalign grpo` with no flags: zen_words on the embedded prompts, 30 steps; the mean
-    reward of the last 5 steps is at least twice that of the first 5."""
+    """`fusedalign grpo` with no flags: zen_words on the embedded prompts, 30 generations each
+    trained on twice (60 steps) with a KL penalty; the mean reward of the last 5 generations is at
+    least twice that of the first 5; the KL and the clip ratios are real (non-zero), and the
+    curves have panels for reward, KL, entropy, completion length and clip ratios."""
+    from fusedalign.plot import panel_titles
+
     out = tmp_path / "grpo"
     assert main(["grpo", "--output_dir", str(out)]) == 0
     for name in ("model.safetensors", "config.json", "tokenizer.json", "metrics.jsonl", "training_curves.png"):
         assert (out / name).is_file(), name
-    rewards = [r["reward"] for r in _records(out) if "reward" in r]
+    records = [r for r in _records(out) if "loss" in r]  # the per-step records, not the final summary
+    assert [r["step"] for r in records] == list(range(1, 61))
+    rewards = [r["reward"] for r in records if "reward" in r]  # logged on the steps that generate
     assert len(rewards) == 30
     assert sum(rewards[-5:]) / 5 >= 2 * sum(rewards[:5]) / 5, rewards
+    # beta > 0: a reference model, the KL to it grows from 0 as the policy moves.
+    kls = [r["kl"] for r in records]
+    assert kls[0] == 0 and kls[-1] > 0.01 and all(k >= 0 for k in kls), kls
+    # num_iterations=2: the second update of each generation is off-policy, and some tokens are clipped.
+    clipped = [r["clip_ratio/region_mean"] for r in records]
+    assert max(clipped[1::2]) > 0 and not any(clipped[0::2]), clipped
+    titles = panel_titles(str(out))
+    for title in ("reward", "kl", "entropy", "completions/mean_length", "clip_ratio"):
+        assert title in titles, titles
     assert "training builtin:tiny-qwen2 on builtin:zen/standard_prompt_only" in capsys.readouterr().err
 
 
