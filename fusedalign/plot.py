@@ -88,6 +88,28 @@ def panels(records: list[dict]) -> dict[str, dict[str, Series]]:
     return out
 
 
+def run_panels(output_dir: str) -> dict[str, dict[str, Series]]:
+    """The panels `plot_run` draws for the run in `output_dir` (see `panels`).
+
+    Raises:
+        FileNotFoundError: `output_dir/metrics.jsonl` does not exist.
+        ValueError: It holds no curve to draw.
+    """
+    path = os.path.join(output_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"No metrics to plot: {path} does not exist (is {output_dir} a fusedalign output dir?).")
+    drawn = panels(read_metrics(path))
+    if not drawn:
+        raise ValueError(f"{path} holds no curve to draw (looked for {', '.join(CURVES)}, train or eval, not all zero).")
+    return drawn
+
+
+def panel_titles(output_dir: str) -> list[str]:
+    """The titles of the panels `plot_run` draws for the run in `output_dir`, in display order
+    (a group such as `clip_ratio/*` is one title, `clip_ratio`). Raises as `run_panels`."""
+    return list(run_panels(output_dir))
+
+
 def plot_run(output_dir: str, out_file: str | None = None) -> str:
     """Draws the training curves of the run in `output_dir` and returns the PNG's path.
 
@@ -95,17 +117,12 @@ def plot_run(output_dir: str, out_file: str | None = None) -> str:
         FileNotFoundError: `output_dir/metrics.jsonl` does not exist.
         ValueError: It holds no curve to draw.
     """
+    drawn = run_panels(output_dir)
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    path = os.path.join(output_dir, "metrics.jsonl")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"No metrics to plot: {path} does not exist (is {output_dir} a fusedalign output dir?).")
-    drawn = panels(read_metrics(path))
-    if not drawn:
-        raise ValueError(f"{path} holds no curve to draw (looked for {', '.join(CURVES)}, train or eval, not all zero).")
     cols = min(3, len(drawn))
     rows = math.ceil(len(drawn) / cols)
     # A constrained layout keeps the figure title clear of the panels' titles.

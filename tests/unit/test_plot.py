@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from fusedalign.plot import last_run, panels, plot_run
+from fusedalign.plot import last_run, panel_titles, panels, plot_run
 
 
 def _write(tmp_path, records):
@@ -48,29 +48,53 @@ def test_a_log_holding_two_appended_runs_draws_the_last():
     assert panels(first + second)["loss"]["train"].steps == [1, 2]
 
 
-def test_figure_title_clears_every_panel_title(tmp_path):
+def _drawn_figure(output_dir):
+    """plot_run's figure, kept open (the caller closes it)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = [{"step": s, "loss": 1 / s, "rewards/accuracies": s / 10, "rewards/margins": s / 5,
-                "eval_loss": 1.1 / s} for s in range(1, 6)]
     captured = {}
     real_close = plt.close
     plt.close = lambda fig: captured.setdefault("fig", fig)
     try:
-        plot_run(str(_write(tmp_path, records)))
+        plot_run(str(output_dir))
     finally:
         plt.close = real_close
-    fig = captured["fig"]
+    return captured["fig"]
+
+
+def test_panel_titles_are_the_titles_drawn(tmp_path):
+    # GRPO with beta > 0 and num_iterations=2: the clip ratios are 0 on the on-policy steps only.
+    records = [{"step": s, "loss": 0.1, "reward": 0.1 * s, "kl": 0.02 * s, "entropy": 6.0,
+                "completions/mean_length": 15.5, "clip_ratio/low_mean": 0.0, "clip_ratio/high_mean": 0.05 * (s % 2 == 0),
+                "clip_ratio/region_mean": 0.1 * (s % 2 == 0), "eval_kl": 0.0} for s in (1, 2, 3, 4)]
+    _write(tmp_path, records)
+    titles = panel_titles(str(tmp_path))
+    assert titles == ["loss", "reward", "kl", "entropy", "completions/mean_length", "clip_ratio"]
+    fig = _drawn_figure(tmp_path)
+    assert [ax.get_title() for ax in fig.axes if ax.get_title()] == titles
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    with pytest.raises(FileNotFoundError, match="No metrics to plot"):
+        panel_titles(str(tmp_path / "missing"))
+
+
+def test_figure_title_clears_every_panel_title(tmp_path):
+    import matplotlib.pyplot as plt
+
+    records = [{"step": s, "loss": 1 / s, "rewards/accuracies": s / 10, "rewards/margins": s / 5,
+                "eval_loss": 1.1 / s} for s in range(1, 6)]
+    fig = _drawn_figure(_write(tmp_path, records))
     renderer = fig.canvas.get_renderer()
     suptitle = fig._suptitle.get_window_extent(renderer)
     for ax in fig.axes:
         if ax.get_title():
             title = ax.title.get_window_extent(renderer)
             assert not suptitle.overlaps(title) and suptitle.y0 - title.y1 >= 5, ax.get_title()
-    real_close(fig)
+    plt.close(fig)
 
 
 def test_nothing_to_draw_is_a_clear_error(tmp_path):
