@@ -145,10 +145,27 @@ def _grpo_trainer(spec: dict, common: dict, peft_config):
     )
     prompts = load_dataset_any("builtin:zen", "standard_prompt_only", split="train").select(range(32))
     replay = uneven_replay(32, generations, load_tokenizer("builtin:tiny-qwen2").eos_token_id,
-                           truncate_every=spec.get("truncate_every", 4))
+                           truncate_every=spec.get("truncate_every", 4), truncate_rows=spec.get("truncate_rows", ()))
     # keyed: real generation (generation_weights on the backend) with draws that do not depend on the split.
     return GRPOTrainer(load_model(spec.get("model", "builtin:tiny-qwen2")), reward_funcs=token_sum_reward, args=args,
-                       train_dataset=prompts, peft_config=peft_config, generator=None if spec.get("keyed") else replay)
+                       train_dataset=prompts, peft_config=peft_config,
+                       generator=None if spec.get("keyed") else _RecordedKeys(replay, common["output_dir"]))
+
+
+class _RecordedKeys:
+    """A generator that writes the (dataset row, generation) keys of every call on this rank to
+    `<out>/keys.rank<R>.jsonl`, one line a generation, so that the tests can check which
+    completions each rank held (a group split over ranks, a rank with only masked rows)."""
+
+    def __init__(self, generator, out_dir: str):
+        self.generator, self.path = generator, os.path.join(out_dir, f"keys.rank{os.environ.get('RANK', '0')}.jsonl")
+        os.makedirs(out_dir, exist_ok=True)
+        open(self.path, "w").close()
+
+    def generate(self, model, prompt_ids, row_keys, *, step=0):
+        with open(self.path, "a") as f:
+            f.write(json.dumps([list(k) for k in row_keys]) + "\n")
+        return self.generator.generate(model, prompt_ids, row_keys, step=step)
 
 
 def run(spec: dict, out_root: str) -> None:

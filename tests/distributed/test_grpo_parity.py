@@ -7,9 +7,19 @@ after the reward gather. Per step: the loss, the rewards, KL and entropy; at the
 weight, to 1e-5. Plus beta > 0 with a separate reference and with the policy's adapter
 disabled (LoRA on lm_head), an all-masked step, and real generation with keyed sampling
 (the same draws on any split) under ZeRO-3 and FSDP2, a training step after every generation.
+
+Three splits that layout never makes, on DDP and, where noted, ZeRO-3:
+- groups that span ranks (also ZeRO-3): G = 8, each prompt's 8 completions 4 on rank 0 and
+  4 on rank 1, so every advantage needs the gathered rewards of both;
+- ranks x accumulation: 2 ranks x accumulation 2 x batch 2 against 1 process x 1 x 8 (dapo);
+- one rank all masked (also ZeRO-3): every completion of rank 0's share truncated and masked
+  while rank 1 has loss tokens, the entropy quantile's cross-rank gather included.
+The keys each rank generated for (run_scenarios.py records them) show each split happened.
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -19,6 +29,10 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 GRPO = {"trainer": "grpo", "steps": 3}
 LORA = {"peft": True, "lora_target_modules": ["q_proj", "v_proj", "lm_head"], "init_lora_weights": False}
+# Rank 0 generates for the first prompt of each generation batch (rows 0, 2, 4 in 3 steps):
+# all their completions truncated and masked; rank 1's rows keep loss tokens.
+MASKED_ROWS = [0, 2, 4]
+MASKED_RANK0 = {"truncate_rows": MASKED_ROWS, "mask_truncated_completions": True, "top_entropy_quantile": 0.5}
 
 BASELINE = [
     {**GRPO, "name": "dapo", "fused": False, "per_device_batch": 8},
@@ -29,6 +43,8 @@ BASELINE = [
     {**GRPO, "name": "masked", "fused": False, "per_device_batch": 8, "truncate_every": 1,
      "mask_truncated_completions": True},
     {**GRPO, "name": "keyed", "fused": False, "per_device_batch": 8, "keyed": True},
+    {**GRPO, "name": "span", "fused": False, "per_device_batch": 8, "num_generations": 8},
+    {**GRPO, "name": "masked_rank0", "fused": False, "per_device_batch": 8, **MASKED_RANK0},
 ]
 _common = [
     ({**GRPO, "name": "fused", "fused": True, "per_device_batch": 4}, "dapo"),
@@ -40,10 +56,14 @@ _kl = ({**GRPO, "name": "grpo_kl", "fused": True, "per_device_batch": 4, "loss_t
         "top_entropy_quantile": 0.5}, "grpo_kl")
 _lora = ({**GRPO, "name": "lora_kl", "fused": True, "per_device_batch": 4, "beta": 0.1, **LORA}, "lora_kl")
 _keyed = ({**GRPO, "name": "keyed", "fused": True, "per_device_batch": 4, "keyed": True}, "keyed")
+_span = ({**GRPO, "name": "span", "fused": True, "per_device_batch": 4, "num_generations": 8}, "span")
+_accum = ({**GRPO, "name": "accum", "fused": True, "per_device_batch": 2, "grad_accum": 2}, "dapo")
+_masked_rank0 = ({**GRPO, "name": "masked_rank0", "fused": True, "per_device_batch": 4, **MASKED_RANK0},
+                 "masked_rank0")
 SCENARIOS = {
-    "ddp": _common + [_lora],
+    "ddp": _common + [_lora, _span, _accum, _masked_rank0],
     "zero2": _common + [_kl],
-    "zero3": _common + [_kl, _lora, _keyed],
+    "zero3": _common + [_kl, _lora, _keyed, _span, _masked_rank0],
     "fsdp2": _common + [_kl, _lora, _keyed],
 }
 CASES = [(backend, spec["name"], want) for backend in BACKENDS for spec, want in SCENARIOS[backend]]
@@ -76,3 +96,45 @@ def test_backend_equals_single_process_unfused(runs, backend, name, want):
     got, baseline = runs(backend), runs(None)
     assert_same_training(got, name, baseline, want, backend=backend)
     _assert_same_history(result(got, name), result(baseline, want))
+
+
+def _keys(out, name: str) -> list[list[list[tuple[int, int]]]]:
+    """Per rank, per generation: the (dataset row, generation) keys that rank generated for."""
+    ranks = sorted((out / name).glob("keys.rank*.jsonl"))
+    return [[[tuple(k) for k in json.loads(line)] for line in path.read_text().splitlines()] for path in ranks]
+
+
+# The parity of these scenarios is checked in test_backend_equals_single_process_unfused; these
+# check that each split really happened, so that the parity is not vacuous.
+
+
+@pytest.mark.parametrize("backend", ["ddp", "zero3"])
+def test_groups_span_ranks(runs, backend):
+    """G = 8 on 2 ranks x 4: each prompt's group half on each rank, rewards varying within it."""
+    rank0, rank1 = _keys(runs(backend), "span")
+    assert len(rank0) == len(rank1) == 3
+    for mine, theirs in zip(rank0, rank1):
+        assert len({row for row, _ in mine} | {row for row, _ in theirs}) == 1  # one prompt, split in two
+        assert sorted(g for _, g in mine) == [0, 1, 2, 3] and sorted(g for _, g in theirs) == [4, 5, 6, 7]
+    assert all(step["reward_std"] > 0 for step in result(runs(None), "span")["history"])
+
+
+def test_ranks_times_accumulation_split(runs):
+    """2 ranks x accumulation 2 x batch 2 (vs 1 x 1 x 8): a rank's window of 4 rows is 2 micro-batches
+    of 2, the completions of uneven lengths."""
+    got = runs("ddp")
+    assert [[len(keys) for keys in rank] for rank in _keys(got, "accum")] == [[4, 4, 4], [4, 4, 4]]
+    history = result(got, "accum")["history"]
+    assert all(step["completions/min_length"] < step["completions/max_length"] for step in history)
+
+
+@pytest.mark.parametrize("backend", ["ddp", "zero3"])
+def test_one_rank_all_masked(runs, backend):
+    """Rank 0's whole micro-batch is masked each step while rank 1's trains."""
+    rank0, rank1 = _keys(runs(backend), "masked_rank0")
+    assert len(rank0) == len(rank1) == 3
+    assert all(row in MASKED_ROWS for step in rank0 for row, _ in step)
+    assert not any(row in MASKED_ROWS for step in rank1 for row, _ in step)
+    single = result(runs(None), "masked_rank0")
+    assert all(loss != 0.0 for loss in single["losses"])  # rank 1's tokens do train
+    assert all(0.5 < step["completions/clipped_ratio"] < 1.0 for step in single["history"])
