@@ -1,6 +1,6 @@
 """GRPOTrainer on the tiny model: the loss against TRL's formula, split invariance for every loss
 type, generation reuse, old-policy log-probs, the reference, masked batches, fused = unfused,
-and that the built-in reward is learned."""
+and, end to end, conversational prompts through the chat template and a dataset column to the reward."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ from datasets import Dataset
 
 from fusedalign.configs import GRPOConfig
 from fusedalign.data import DataError, load_dataset_any
-from fusedalign.losses import group_advantages
+from fusedalign.losses import group_advantages, grpo_loss
 from fusedalign.models import load_model, load_tokenizer
 from fusedalign.rewards import RewardError
+from fusedalign.trainers import grpo as grpo_module
 from fusedalign.trainers.grpo import GRPOTrainer
 from tests.grpo_replay import token_sum_reward, uneven_replay
 
@@ -93,28 +94,54 @@ def test_bnpo_depends_on_the_split_as_trl_defines_it(tmp_path, prompts, replay):
     assert split[1][0]["loss"] != pytest.approx(whole[1][0]["loss"], rel=1e-4)
 
 
-def test_generation_reuse_first_ratio_is_one_and_each_completion_used_num_iterations_times(tmp_path, prompts, replay):
-    calls = []
+def test_generation_reuse_first_ratio_is_one_and_each_completion_used_num_iterations_times(
+        tmp_path, prompts, replay, monkeypatch):
+    calls, seen, logps = [], [], []
 
     class Counting:
         def generate(self, model, prompt_ids, row_keys, *, step=0):
             calls.append(list(row_keys))
             return replay.generate(model, prompt_ids, row_keys, step=step)
 
+    def recorded_grpo_loss(new, mask, advantages, options, **kwargs):
+        logps.append((new.detach().clone(), kwargs["old_logps"].clone(), mask.clone()))
+        return grpo_loss(new, mask, advantages, options, **kwargs)
+
+    monkeypatch.setattr(grpo_module, "grpo_loss", recorded_grpo_loss)
     torch.manual_seed(0)
     args = _args(tmp_path, max_steps=4, num_iterations=2, per_device_train_batch_size=4, loss_type="grpo")
     assert args.needs_old_logps
     trainer = GRPOTrainer(load_model(MODEL), reward_funcs=token_sum_reward, args=args, train_dataset=prompts,
                           generator=Counting())
+    by_completion = {tuple(ids): key for key, (ids, _, _) in replay.records.items()}
+    loss_and_metrics = trainer.loss_and_metrics
+
+    def recorded_loss_and_metrics(model, inputs, mode):
+        # Each row's completion tokens name its (dataset row, generation) key: replayed completions are distinct.
+        completion = inputs["completion_mask"].bool()
+        seen.extend(by_completion[tuple(ids[m].tolist())] for ids, m in zip(inputs["input_ids"], completion))
+        return loss_and_metrics(model, inputs, mode)
+
+    trainer.loss_and_metrics = recorded_loss_and_metrics
     trainer.train()
     logs = [e for e in trainer.state.log_history if "loss" in e]
     assert len(calls) == 2 and trainer.generation_step == 2  # 4 micro-steps / (spg 1 x mu 2)
     assert calls[0] != calls[1]
+    # Every completion generated is seen by the loss exactly num_iterations times, and nothing else is.
+    generated = [key for call in calls for key in call]
+    assert len(set(generated)) == len(generated) == 8
+    assert sorted(seen) == sorted(generated * 2)
+    # The first use of each window: the old policy's log-probs are the policy's, bit for bit (r == 1
+    # exactly); the second use comes after an update (lr 0.1), so they differ.
+    assert len(logps) == 4
+    for step, (new, old, mask) in enumerate(logps):
+        assert torch.equal(new[mask], old[mask]) == (step % 2 == 0), step
+    monkeypatch.undo()
     on_policy = _train(tmp_path / "one", prompts, replay, per_device_train_batch_size=4, loss_type="grpo")[1]
-    # Step 1 uses the completions with the policy that generated them: r == 1 exactly.
-    assert logs[0]["loss"] == pytest.approx(on_policy[0]["loss"], rel=1e-6)
+    # So step 1's loss is the on-policy run's (no old log-probs: r = exp(logp - logp.detach())), exactly.
+    assert logs[0]["loss"] == on_policy[0]["loss"]
     assert logs[0]["clip_ratio/region_mean"] == 0.0
-    # Step 2 reuses them after an update: the ratio moved (lr 0.1) and the loss with it.
+    # Step 2 reuses them after an update: the ratio moved and the loss with it.
     assert logs[1]["loss"] != pytest.approx(logs[0]["loss"], rel=1e-4)
 
 
@@ -184,3 +211,43 @@ def test_evaluation_generates_for_every_prompt_and_reports_its_rewards(tmp_path,
     lengths = [len(c) for c in completions]
     assert metrics["eval_completions/mean_length"] == pytest.approx(sum(lengths) / len(lengths), rel=1e-6)
     assert metrics["eval_completions/max_length"] == max(lengths)
+
+
+def test_conversational_prompts_get_the_chat_template_and_columns_reach_the_reward(tmp_path, replay):
+    """End to end: the generator receives the chat template's prompt ids (generation prompt
+    included), and an extra dataset column reaches the reward function by name, one value per
+    completion, in the generation batch's order."""
+    tokenizer = load_tokenizer(MODEL)
+    data = load_dataset_any("builtin:zen", "conversational_prompt_only").select(range(ROWS))
+    data = data.add_column("answer", [f"answer {i}" for i in range(ROWS)])
+    generated, scored = [], []
+
+    class Recording:
+        def generate(self, model, prompt_ids, row_keys, *, step=0):
+            generated.append((list(row_keys), [list(p) for p in prompt_ids]))
+            return replay.generate(model, prompt_ids, row_keys, step=step)
+
+    def answer_reward(prompts, completions, completion_ids, answer, **kwargs):
+        scored.append({"prompts": prompts, "completions": completions, "completion_ids": completion_ids,
+                       "answer": answer, **kwargs})
+        return token_sum_reward(completion_ids)
+
+    trainer = GRPOTrainer(load_model(MODEL), reward_funcs=answer_reward, args=_args(tmp_path), train_dataset=data,
+                          generator=Recording())
+    trainer.train()
+    assert len(generated) == len(scored) == 1
+    keys, prompt_ids = generated[0]
+    rows = [row for row, _ in keys]
+    assert rows == [0] * G + [1] * G
+    for row, ids in zip(rows, prompt_ids):
+        text = tokenizer.apply_chat_template(data[row]["prompt"], tokenize=False, add_generation_prompt=True)
+        assert text.endswith("<|im_start|>assistant\n") and data[row]["prompt"][0]["content"] in text
+        assert ids == tokenizer(text, add_special_tokens=False).input_ids
+    call = scored[0]
+    assert call["answer"] == [f"answer {row}" for row in rows]
+    assert call["prompts"] == [data[row]["prompt"] for row in rows]
+    want = [replay.records[tuple(k)][0] for k in keys]
+    assert call["completion_ids"] == want
+    assert call["completions"] == [[{"role": "assistant", "content": tokenizer.decode(c, skip_special_tokens=True)}]
+                                   for c in want]
+    assert not {"prompt", "prompt_ids", "row_index"} & set(call)
