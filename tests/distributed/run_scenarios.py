@@ -142,6 +142,7 @@ def _grpo_trainer(spec: dict, common: dict, peft_config):
         beta=spec.get("beta", 0.0), num_iterations=spec.get("num_iterations", 1), shuffle_dataset=False,
         mask_truncated_completions=spec.get("mask_truncated_completions", False),
         top_entropy_quantile=spec.get("top_entropy_quantile", 1.0), keyed_sampling=spec.get("keyed", False),
+        generation_backend=spec.get("generation_backend", "auto"),
     )
     prompts = load_dataset_any("builtin:zen", "standard_prompt_only", split="train").select(range(32))
     replay = uneven_replay(32, generations, load_tokenizer("builtin:tiny-qwen2").eos_token_id,
@@ -201,6 +202,9 @@ def run(spec: dict, out_root: str) -> None:
         # the forward where the trainer declares its loss (DPO, fused, per-pair loss types).
         "loss_aware_expected": bool(getattr(trainer, "_loss_aware", lambda mode: False)("train")),
         "head_calls": {key: head_calls[key] for key in ("forward", "backward", "mismatch", "over_budget")},
+        # GRPO: the generator that ran, and how its last call went (StaticDecode: its own loop or generate).
+        "generator": type(getattr(trainer, "generator", None)).__name__,
+        "generator_last_call": getattr(getattr(trainer, "generator", None), "last_call", None),
     }
     if spec.get("evaluate"):
         metrics = trainer.evaluate()

@@ -6,7 +6,8 @@ batches of 2 prompts x 4 generations split 2 ranks x 4 against 1 process x 8, gr
 after the reward gather. Per step: the loss, the rewards, KL and entropy; at the end every
 weight, to 1e-5. Plus beta > 0 with a separate reference and with the policy's adapter
 disabled (LoRA on lm_head), an all-masked step, and real generation with keyed sampling
-(the same draws on any split) under ZeRO-3 and FSDP2, a training step after every generation.
+(the same draws on any split) under ZeRO-3 and FSDP2, a training step after every generation,
+once through transformers' generate and once through StaticDecode's own decoding loop.
 
 Three splits that layout never makes, on DDP and, where noted, ZeRO-3:
 - groups that span ranks (also ZeRO-3): G = 8, each prompt's 8 completions 4 on rank 0 and
@@ -56,6 +57,9 @@ _kl = ({**GRPO, "name": "grpo_kl", "fused": True, "per_device_batch": 4, "loss_t
         "top_entropy_quantile": 0.5}, "grpo_kl")
 _lora = ({**GRPO, "name": "lora_kl", "fused": True, "per_device_batch": 4, "beta": 0.1, **LORA}, "lora_kl")
 _keyed = ({**GRPO, "name": "keyed", "fused": True, "per_device_batch": 4, "keyed": True}, "keyed")
+# StaticDecode's own decoding loop (eager on CPU) on the weights each backend makes whole.
+_keyed_static = ({**GRPO, "name": "keyed_static", "fused": True, "per_device_batch": 4, "keyed": True,
+                  "generation_backend": "static"}, "keyed")
 _span = ({**GRPO, "name": "span", "fused": True, "per_device_batch": 4, "num_generations": 8}, "span")
 _accum = ({**GRPO, "name": "accum", "fused": True, "per_device_batch": 2, "grad_accum": 2}, "dapo")
 _masked_rank0 = ({**GRPO, "name": "masked_rank0", "fused": True, "per_device_batch": 4, **MASKED_RANK0},
@@ -63,8 +67,8 @@ _masked_rank0 = ({**GRPO, "name": "masked_rank0", "fused": True, "per_device_bat
 SCENARIOS = {
     "ddp": _common + [_lora, _span, _accum, _masked_rank0],
     "zero2": _common + [_kl],
-    "zero3": _common + [_kl, _lora, _keyed, _span, _masked_rank0],
-    "fsdp2": _common + [_kl, _lora, _keyed],
+    "zero3": _common + [_kl, _lora, _keyed, _keyed_static, _span, _masked_rank0],
+    "fsdp2": _common + [_kl, _lora, _keyed, _keyed_static],
 }
 CASES = [(backend, spec["name"], want) for backend in BACKENDS for spec, want in SCENARIOS[backend]]
 COMPARED = ("reward", "reward_std", "kl", "entropy", "completions/mean_length", "clip_ratio/region_mean")
@@ -96,6 +100,10 @@ def test_backend_equals_single_process_unfused(runs, backend, name, want):
     got, baseline = runs(backend), runs(None)
     assert_same_training(got, name, baseline, want, backend=backend)
     _assert_same_history(result(got, name), result(baseline, want))
+    if name == "keyed_static":  # StaticDecode's own loop ran, not its fallback to generate
+        assert result(got, name)["generator"] == "StaticDecode"
+        assert result(got, name)["generator_last_call"]["path"] == "static"
+        assert result(baseline, want)["generator"] == "HFGenerate"
 
 
 def _keys(out, name: str) -> list[list[list[tuple[int, int]]]]:
