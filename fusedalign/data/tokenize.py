@@ -5,9 +5,6 @@ row and return plain lists of token ids, so they work with `Dataset.map`; each c
 row first (`fusedalign.data.formats.check_row`). The `prepare_*` wrappers validate
 the whole dataset's columns and the tokenizer, map the row function over it, and count the
 rows that were truncated, so that every data error surfaces before training starts.
-Options are checked once per call of a public function (`truncation_mode` by each
-`prepare_*`, row function and `truncate_pair`): `prepare_*` map the unchecked row bodies
-(`_dpo_row`, ...), so a dataset is not re-validated row by row.
 
 Standard rows: the prompt is tokenised with the tokenizer's special tokens (a BOS where the
 tokenizer adds one), each completion without, followed by EOS. Conversational rows: the
@@ -118,20 +115,8 @@ def truncate_pair(
 
     Returns:
         (prompt ids, completion ids, whether anything was cut).
-
-    Raises:
-        ValueError: an unknown `truncation_mode`.
     """
     _check_mode(truncation_mode)
-    return _truncate_pair(prompt_ids, completions, max_prompt_length=max_prompt_length,
-                          max_completion_length=max_completion_length, max_length=max_length,
-                          truncation_mode=truncation_mode)
-
-
-def _truncate_pair(prompt_ids: list[int], completions: list[list[int]], *, max_prompt_length: int | None,
-                   max_completion_length: int | None, max_length: int | None,
-                   truncation_mode: str) -> tuple[list[int], list[list[int]], bool]:
-    """`truncate_pair` with `truncation_mode` already checked (by the caller's entry point)."""
     before = (len(prompt_ids), [len(c) for c in completions])
     if max_prompt_length is not None and len(prompt_ids) > max_prompt_length:
         prompt_ids = prompt_ids[len(prompt_ids) - max_prompt_length:]
@@ -234,25 +219,13 @@ def tokenize_dpo_row(
 
     Returns:
         `{"prompt_ids", "chosen_ids", "rejected_ids": list[int], "truncated": bool}`.
-
-    Raises:
-        ValueError: an unknown `truncation_mode`.
-        DataError: a malformed row.
     """
-    _check_mode(truncation_mode)
-    return _dpo_row(row, tokenizer, max_prompt_length=max_prompt_length, max_completion_length=max_completion_length,
-                    max_length=max_length, truncation_mode=truncation_mode, index=index, fmt=fmt)
-
-
-def _dpo_row(row: Mapping, tokenizer: Any, *, max_prompt_length: int | None, max_completion_length: int | None,
-             max_length: int | None, truncation_mode: str, index: int | None, fmt: DataFormat | None) -> dict:
-    """`tokenize_dpo_row` with `truncation_mode` already checked (`prepare_dpo_dataset` maps it)."""
     fmt = _row_format(row, fmt, "dpo")
     check_row(row, index, fmt)
     if fmt.kind == "implicit_preference":
         row = extract_prompt(row, index)
     prompt_ids, completions = _prompt_and_completions(row, tokenizer, fmt, ("chosen", "rejected"), index)
-    prompt_ids, (chosen_ids, rejected_ids), truncated = _truncate_pair(
+    prompt_ids, (chosen_ids, rejected_ids), truncated = truncate_pair(
         prompt_ids, completions, max_prompt_length=max_prompt_length,
         max_completion_length=max_completion_length, max_length=max_length,
         truncation_mode=truncation_mode,
@@ -274,31 +247,13 @@ def tokenize_kto_row(
 ) -> dict:
     """Tokenises an unpaired preference row `{prompt, completion, label}`.
 
-    Args:
-        max_prompt_length, max_completion_length, max_length, truncation_mode: see
-            `truncate_pair`.
-        index: the row's index, for error messages.
-        fmt: the dataset format (detected from the row if None).
-
     Returns:
         `{"prompt_ids", "completion_ids": list[int], "label": bool, "truncated": bool}`.
-
-    Raises:
-        ValueError: an unknown `truncation_mode`.
-        DataError: a malformed row.
     """
-    _check_mode(truncation_mode)
-    return _kto_row(row, tokenizer, max_prompt_length=max_prompt_length, max_completion_length=max_completion_length,
-                    max_length=max_length, truncation_mode=truncation_mode, index=index, fmt=fmt)
-
-
-def _kto_row(row: Mapping, tokenizer: Any, *, max_prompt_length: int | None, max_completion_length: int | None,
-             max_length: int | None, truncation_mode: str, index: int | None, fmt: DataFormat | None) -> dict:
-    """`tokenize_kto_row` with `truncation_mode` already checked (`prepare_kto_dataset` maps it)."""
     fmt = _row_format(row, fmt, "kto")
     check_row(row, index, fmt)
     prompt_ids, completions = _prompt_and_completions(row, tokenizer, fmt, ("completion",), index)
-    prompt_ids, (completion_ids,), truncated = _truncate_pair(
+    prompt_ids, (completion_ids,), truncated = truncate_pair(
         prompt_ids, completions, max_prompt_length=max_prompt_length,
         max_completion_length=max_completion_length, max_length=max_length,
         truncation_mode=truncation_mode,
@@ -330,19 +285,8 @@ def tokenize_sft_row(
 
     Returns:
         `{"input_ids", "completion_mask": list[int], "truncated": bool}`.
-
-    Raises:
-        ValueError: an unknown `truncation_mode`.
-        DataError: a malformed row, or `assistant_only_loss` without assistant tokens.
     """
     _check_mode(truncation_mode)
-    return _sft_row(row, tokenizer, completion_only_loss=completion_only_loss, assistant_only_loss=assistant_only_loss,
-                    max_length=max_length, truncation_mode=truncation_mode, index=index, fmt=fmt)
-
-
-def _sft_row(row: Mapping, tokenizer: Any, *, completion_only_loss: bool, assistant_only_loss: bool,
-             max_length: int | None, truncation_mode: str, index: int | None, fmt: DataFormat | None) -> dict:
-    """`tokenize_sft_row` with `truncation_mode` already checked (`prepare_sft_dataset` maps it)."""
     fmt = _row_format(row, fmt, "sft")
     check_row(row, index, fmt)
     if assistant_only_loss and not fmt.conversational:
@@ -447,7 +391,7 @@ def prepare_dpo_dataset(dataset: Any, tokenizer: Any, *, max_prompt_length: int 
         DataError: bad columns, rows or tokenizer (before any training).
     """
     _check_mode(truncation_mode)
-    return _prepare(dataset, tokenizer, "dpo", _dpo_row, map_kwargs=map_kwargs,
+    return _prepare(dataset, tokenizer, "dpo", tokenize_dpo_row, map_kwargs=map_kwargs,
                     max_prompt_length=max_prompt_length, max_completion_length=max_completion_length,
                     max_length=max_length, truncation_mode=truncation_mode)
 
@@ -461,7 +405,7 @@ def prepare_kto_dataset(dataset: Any, tokenizer: Any, *, max_prompt_length: int 
         (dataset with columns `prompt_ids, completion_ids, label`, `TokenizeStats`).
     """
     _check_mode(truncation_mode)
-    return _prepare(dataset, tokenizer, "kto", _kto_row, map_kwargs=map_kwargs,
+    return _prepare(dataset, tokenizer, "kto", tokenize_kto_row, map_kwargs=map_kwargs,
                     max_prompt_length=max_prompt_length, max_completion_length=max_completion_length,
                     max_length=max_length, truncation_mode=truncation_mode)
 
@@ -475,6 +419,6 @@ def prepare_sft_dataset(dataset: Any, tokenizer: Any, *, completion_only_loss: b
         (dataset with columns `input_ids, completion_mask`, `TokenizeStats`).
     """
     _check_mode(truncation_mode)
-    return _prepare(dataset, tokenizer, "sft", _sft_row, map_kwargs=map_kwargs,
+    return _prepare(dataset, tokenizer, "sft", tokenize_sft_row, map_kwargs=map_kwargs,
                     assistant_only_loss=assistant_only_loss, completion_only_loss=completion_only_loss,
                     max_length=max_length, truncation_mode=truncation_mode)

@@ -337,29 +337,6 @@ def test_truncate_pair():
         truncate_pair(prompt, [chosen], truncation_mode="middle")
 
 
-PREPARE = {
-    "dpo": (prepare_dpo_dataset, tokenize_dpo_row, "standard_preference"),
-    "kto": (prepare_kto_dataset, tokenize_kto_row, "standard_unpaired_preference"),
-    "sft": (prepare_sft_dataset, tokenize_sft_row, "standard_language_modeling"),
-}
-
-
-@pytest.mark.parametrize("kind", sorted(PREPARE))
-def test_truncation_mode_is_checked_once_per_call_not_per_row(tok, kind, monkeypatch):
-    prepare, row_fn, config = PREPARE[kind]
-    rows = load_dataset_any("builtin:zen", config).select(range(5))
-    with pytest.raises(ValueError, match="truncation_mode must be one of"):
-        prepare(rows, tok, truncation_mode="middle")
-    with pytest.raises(ValueError, match="truncation_mode must be one of"):
-        row_fn(rows[0], tok, truncation_mode="middle")
-    import fusedalign.data.tokenize as tokenize
-
-    checked = []
-    monkeypatch.setattr(tokenize, "_check_mode", lambda mode: checked.append(mode))
-    prepare(rows, tok, max_length=8, truncation_mode="keep_start", map_kwargs={"load_from_cache_file": False})
-    assert checked == ["keep_start"]
-
-
 def test_dpo_truncation_count(tok):
     ds = load_dataset_any("builtin:zen", "standard_preference")
     full, stats = prepare_dpo_dataset(ds, tok)
