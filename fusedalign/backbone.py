@@ -100,6 +100,13 @@ def _backend_with(backend: str, policy: str) -> Callable:
     return with_settings
 
 
+COMPILE_UNDER_ZERO3 = (
+    "compile_layers (--compile_layers / --torch_compile) is not supported under DeepSpeed ZeRO-3: its "
+    "parameter hooks sit on every Linear inside a decoder layer, where compiled code would run them. "
+    "Use it on one device, DDP, ZeRO-2 or FSDP2; under ZeRO-3 use gradient checkpointing instead."
+)
+
+
 def compile_decoder_layers(
     model: nn.Module,
     *,
@@ -129,11 +136,7 @@ def compile_decoder_layers(
             unknown `recompute`.
     """
     if zero3:
-        raise ValueError(
-            "compile_layers (--compile_layers / --torch_compile) is not supported under DeepSpeed ZeRO-3: its "
-            "parameter hooks sit on every Linear inside a decoder layer, where compiled code would run them. "
-            "Use it on one device, DDP, ZeRO-2 or FSDP2; under ZeRO-3 use gradient checkpointing instead."
-        )
+        raise ValueError(COMPILE_UNDER_ZERO3)
     if recompute not in RECOMPUTE_POLICIES:
         raise ValueError(f"compile_recompute must be one of {sorted(RECOMPUTE_POLICIES)}, got {recompute!r}.")
     if recompute != "default" and mode is not None:

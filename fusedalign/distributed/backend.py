@@ -157,11 +157,9 @@ def check_compile_layers_supported() -> None:
         ValueError: under DeepSpeed ZeRO-3, naming the backends where the option runs.
     """
     if zero3_enabled():
-        raise ValueError(
-            "compile_layers (--compile_layers / --torch_compile) is not supported under DeepSpeed ZeRO-3: its "
-            "parameter hooks sit on every Linear inside a decoder layer, where compiled code would run them. "
-            "Use it on one device, DDP, ZeRO-2 or FSDP2; under ZeRO-3 use gradient checkpointing instead."
-        )
+        from fusedalign.backbone import COMPILE_UNDER_ZERO3
+
+        raise ValueError(COMPILE_UNDER_ZERO3)
 
 
 def is_zero3(accelerator: Any) -> bool:
