@@ -7,8 +7,10 @@ nothing of the training loop, the backend or the logging:
     that step's micro-batches (all of them, before any forward of the step), and once per
     batch in evaluation (each evaluation batch is its own step). Per-step work goes here:
     reference log-probs, KTO's KL reference point over the whole step, GRPO's generation
-    and scoring. It returns the micro-batches the step trains on (the same dicts, with
-    keys added, or new ones); each returned batch is marked prepared.
+    and scoring. It returns the micro-batches the step trains on: typed, frozen
+    `StepBatch` objects whose optional parts are declared (`old_logps: Tensor | None`),
+    so that a part the step needs cannot be silently absent (or, for trainers not yet
+    moved to them, the same dicts with keys added, each marked prepared).
   - `count_items(inputs) -> Tensor []`: how many loss units (pairs, examples, tokens) a
     prepared micro-batch holds, from the batch alone, as a 0-dim tensor on its device (so
     that counting never waits for the device).
@@ -24,13 +26,15 @@ the rows accelerate repeats, for every statistic) and logs them per window. It o
 counters: input tokens seen (`num_tokens`, kept in the Trainer state, so it survives a
 resume) and the state of any component registered with `checkpointed(name, obj)` (an
 object with `state_dict()`/`load_state_dict()`), written into every checkpoint and read
-back on resume.
+back on resume; `checkpointed(name, obj, per_rank=True)` keeps one state per rank (a
+rank's GRPO generation window: its completions and the log-probs computed for them).
 """
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,6 +48,28 @@ from fusedalign.trainers.callbacks import MetricsJSONLCallback
 
 PREPARED = "_fusedalign_prepared"  # marks a micro-batch that went through prepare_step
 STATE_FILE = "fusedalign_state.json"  # checkpointed components, beside trainer_state.json
+RANK_STATE_FILE = "fusedalign_rank{rank}.pt"  # per-rank checkpointed components
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be resumed as asked (e.g. with another number of ranks mid-window)."""
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """A prepared micro-batch as a typed object; subclasses declare its parts as fields.
+
+    The base passes it through unchanged (`Trainer._prepare_inputs` is for the dicts a
+    collator makes) to `count_items` and `loss_and_metrics`.
+    """
+
+    def input_tokens(self) -> torch.Tensor:
+        """Input tokens, padding excluded, as a 0-dim tensor on the batch's device."""
+        raise NotImplementedError
+
+
+def is_prepared(batch: Any) -> bool:
+    return isinstance(batch, StepBatch) or bool(batch.get(PREPARED))
 
 
 class FusedAlignTrainer(Trainer):
@@ -57,6 +83,7 @@ class FusedAlignTrainer(Trainer):
         self.loss_is_scaled_for_ga = True
         self.metrics = MetricsRecorder(self.accelerator)
         self._checkpointed: dict[str, Any] = {}
+        self._rank_checkpointed: dict[str, Any] = {}
         self._tokens_pending = torch.zeros((), dtype=torch.float64, device=self.accelerator.device)
         self.add_callback(MetricsJSONLCallback())
 
@@ -71,8 +98,10 @@ class FusedAlignTrainer(Trainer):
     def loss_and_metrics(self, model: nn.Module, inputs: dict[str, Any], mode: str) -> tuple[torch.Tensor, Metrics]:
         raise NotImplementedError
 
-    def count_input_tokens(self, inputs: dict[str, Any]) -> torch.Tensor:
+    def count_input_tokens(self, inputs: StepBatch | dict[str, Any]) -> torch.Tensor:
         """Input tokens of a prepared micro-batch, padding excluded (TRL's `num_tokens`)."""
+        if isinstance(inputs, StepBatch):
+            return inputs.input_tokens()
         if "attention_mask" in inputs:
             return inputs["attention_mask"].sum()
         return torch.as_tensor(inputs["input_ids"].numel(), device=inputs["input_ids"].device)
@@ -85,21 +114,31 @@ class FusedAlignTrainer(Trainer):
         return token_logprobs(model, inputs, labels, fused=self.args.fused_head,
                               temperature=getattr(self.args, "temperature", 1.0), **stats)
 
-    def checkpointed(self, name: str, component: Any) -> Any:
-        """Registers a component whose `state_dict()` goes into every checkpoint (and returns it)."""
-        self._checkpointed[name] = component
+    def checkpointed(self, name: str, component: Any, per_rank: bool = False) -> Any:
+        """Registers a component whose `state_dict()` goes into every checkpoint (and returns it).
+
+        Shared components are written once (JSON); `per_rank` ones by every rank (torch.save,
+        tensors allowed), each read back by the same rank with `load_state_dict(state,
+        same_ranks=...)`, `same_ranks` False when another number of ranks wrote it (rank 0's
+        state is then given to every rank; the component refuses what it cannot resume).
+        """
+        (self._rank_checkpointed if per_rank else self._checkpointed)[name] = component
         return component
 
     # ---------------------------------------------------------------- the step
 
     def _prepared(self, model: nn.Module, batches: list[dict[str, Any]], mode: str) -> list[dict[str, Any]]:
-        if all(batch.get(PREPARED) for batch in batches):
+        if all(is_prepared(batch) for batch in batches):
             return batches
         with self.compute_loss_context_manager():
             batches = self.prepare_step(model, batches, mode)
         for batch in batches:
-            batch[PREPARED] = True
+            if not isinstance(batch, StepBatch):
+                batch[PREPARED] = True
         return batches
+
+    def _prepare_inputs(self, inputs):
+        return inputs if isinstance(inputs, StepBatch) else super()._prepare_inputs(inputs)
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
         batch_samples = []
@@ -124,7 +163,7 @@ class FusedAlignTrainer(Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         mode = "train" if model.training else "eval"
-        if not inputs.get(PREPARED):
+        if not is_prepared(inputs):
             # Evaluation, or a caller outside the training loop: the batch is its own step.
             inputs = self._prepared(model, [inputs], mode)[0]
         loss_sum, metrics = self.loss_and_metrics(model, inputs, mode)
@@ -173,11 +212,20 @@ class FusedAlignTrainer(Trainer):
     def _save_checkpoint(self, model, trial) -> None:
         _ = self.num_input_tokens_seen  # fold pending tokens into the state it saves
         super()._save_checkpoint(model, trial)
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        """Every rank passes here before `trainer_state.json` (whose presence marks a complete
+        checkpoint) is written: the components' states go in with the RNG states."""
+        super()._save_rng_state(output_dir)
+        os.makedirs(output_dir, exist_ok=True)
         if self._checkpointed and self.args.should_save:
-            folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
             state = {name: component.state_dict() for name, component in self._checkpointed.items()}
-            with open(os.path.join(folder, STATE_FILE), "w") as f:
+            with open(os.path.join(output_dir, STATE_FILE), "w") as f:
                 json.dump(state, f, indent=1)
+        if self._rank_checkpointed:
+            state = {name: component.state_dict() for name, component in self._rank_checkpointed.items()}
+            state["num_processes"] = self.accelerator.num_processes
+            torch.save(state, os.path.join(output_dir, RANK_STATE_FILE.format(rank=self.accelerator.process_index)))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
@@ -188,4 +236,18 @@ class FusedAlignTrainer(Trainer):
             for name, component in self._checkpointed.items():
                 if name in state:
                     component.load_state_dict(state[name])
+        if checkpoint and self._rank_checkpointed:
+            self._load_rank_state(checkpoint)
         self._fusedalign_last_logged = self.state.global_step
+
+    def _load_rank_state(self, checkpoint: str) -> None:
+        path = os.path.join(checkpoint, RANK_STATE_FILE.format(rank=self.accelerator.process_index))
+        if not os.path.isfile(path):
+            path = os.path.join(checkpoint, RANK_STATE_FILE.format(rank=0))
+            if not os.path.isfile(path):
+                return  # a checkpoint written before these states existed
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        same_ranks = state.pop("num_processes", None) == self.accelerator.num_processes
+        for name, component in self._rank_checkpointed.items():
+            if name in state:
+                component.load_state_dict(state[name], same_ranks=same_ranks)
