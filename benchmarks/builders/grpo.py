@@ -143,11 +143,13 @@ def build_ours(run, s, output_dir, prompts, tokenizer, callback, timers, reward)
 
     from fusedalign.configs.grpo import GRPOConfig
     from fusedalign.trainers.grpo import GRPOTrainer
+    from fusedalign.trainers.grpo_rollout import Split
 
     class BenchGRPOTrainer(GRPOTrainer):
-        def _prepare_split(self, dataset, tokenizer, args):
-            self.conversational = False
-            return dataset  # the columns its prompt tokenisation makes, already there: prompt_ids, row_index
+        @staticmethod
+        def _prepare_split(dataset, tokenizer, args, reward_funcs):
+            # The columns its prompt tokenisation makes are already there: prompt_ids, row_index.
+            return dataset, None if dataset is None else Split(conversational=False)
 
     args = GRPOConfig(**grpo_args(s, output_dir), compile_generation=run.compile_generation,
                       generation_backend=run.generation_backend, compile_layers=run.compile_layers)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fusedalign.configs.common import FusedAlignConfig, check_choice
-from fusedalign.distributed import DistributedBackend, backend_from_env
+from fusedalign.distributed import check_compile_generation_supported
 from fusedalign.losses.grpo_advantages import AGGREGATIONS, SCALE_REWARDS
 from fusedalign.losses.grpo_policy import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, GRPOOptions
 
@@ -80,6 +80,11 @@ class GRPOConfig(FusedAlignConfig):
                                  "completions on any split over ranks and batches."})
     replay_completions: str | None = field(
         default=None, metadata={"help": "Replay completions recorded in this JSON-lines file instead of generating."})
+    log_completions: bool = field(
+        default=False, metadata={"help": "At each logging step, print a table of the prompts, completions and rewards "
+                                 "generated since the last one and append them to OUTPUT_DIR/completions.jsonl."})
+    num_completions_to_print: int | None = field(
+        default=None, metadata={"help": "Rows of that table printed (None: all); the file keeps every one."})
     shuffle_dataset: bool = field(default=True, metadata={"help": "Draw the prompts in a seeded random order "
                                                               "(the same on every rank); False: in dataset order."})
     mask_truncated_completions: bool = field(default=False, metadata={"help": "Leave completions without EOS out "
@@ -134,13 +139,8 @@ class GRPOConfig(FusedAlignConfig):
         if self.replay_completions is not None and self.keyed_sampling:
             raise ValueError("--replay_completions replays recorded completions; it cannot be combined with "
                              "--keyed_sampling (which samples new ones)")
-        backend = backend_from_env()
-        if self.compile_generation and backend in (DistributedBackend.ZERO3, DistributedBackend.FSDP2):
-            raise ValueError(
-                f"--compile_generation under {backend.value}: compiled decoding captures the parameters' storage, "
-                "which ZeRO-3 and FSDP2 gather anew for every generation, so the compiled graphs would read "
-                "released memory. Use it on one device, DDP or ZeRO-2, or leave it off."
-            )
+        if self.compile_generation:
+            check_compile_generation_supported()
 
     def _check_numbers(self) -> None:
         def need(ok: bool, flag: str, expected: str, value: object) -> None:
@@ -160,6 +160,8 @@ class GRPOConfig(FusedAlignConfig):
         need(self.epsilon_high is None or self.epsilon_high >= 0, "epsilon_high", ">= 0 or None", self.epsilon_high)
         need(self.delta is None or self.delta > 1, "delta", "> 1 or None (the cap on the unclipped ratio)", self.delta)
         need(self.num_iterations >= 1, "num_iterations", ">= 1", self.num_iterations)
+        need(self.num_completions_to_print is None or self.num_completions_to_print >= 0, "num_completions_to_print",
+             ">= 0 or None", self.num_completions_to_print)
         need(0 <= self.top_entropy_quantile <= 1, "top_entropy_quantile", "in [0, 1]", self.top_entropy_quantile)
         need(self.entropy_coef >= 0, "entropy_coef", ">= 0", self.entropy_coef)
         need(self.sapo_temperature_pos > 0 and self.sapo_temperature_neg > 0, "sapo_temperature_pos/neg", "> 0",

@@ -10,6 +10,7 @@ every backend because it runs inside ordinary module calls.
 from fusedalign.distributed.backend import (
     DistributedBackend,
     backend_from_env,
+    check_compile_generation_supported,
     check_compile_layers_supported,
     configure_cpu_arguments,
     is_fsdp2,
@@ -25,7 +26,8 @@ from fusedalign.distributed.generation import generation_weights
 from fusedalign.distributed.models import prepare_final_save, prepare_reference_model
 
 __all__ = [
-    "DistributedBackend", "backend_from_env", "check_compile_layers_supported", "configure_cpu_arguments",
+    "DistributedBackend", "backend_from_env", "check_compile_generation_supported", "check_compile_layers_supported",
+    "configure_cpu_arguments",
     "is_fsdp2", "is_zero3",
     "prepare_final_save", "prepare_trainer_process", "prepare_reference_model", "setup_distributed", "teardown_distributed", "use_cpu",
     "world_size_from_env", "zero3_enabled",

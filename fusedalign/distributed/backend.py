@@ -162,6 +162,21 @@ def check_compile_layers_supported() -> None:
         raise ValueError(COMPILE_UNDER_ZERO3)
 
 
+def check_compile_generation_supported() -> None:
+    """Refuses generate's compiled decoding (`--compile_generation`) where the weights move.
+
+    Raises:
+        ValueError: under ZeRO-3 or FSDP2 (read from the launch environment), with the way out.
+    """
+    backend = backend_from_env()
+    if backend in (DistributedBackend.ZERO3, DistributedBackend.FSDP2):
+        raise ValueError(
+            f"--compile_generation under {backend.value}: compiled decoding captures the parameters' storage, "
+            "which ZeRO-3 and FSDP2 gather anew for every generation, so the compiled graphs would read "
+            "released memory. Use it on one device, DDP or ZeRO-2, or leave it off."
+        )
+
+
 def is_zero3(accelerator: Any) -> bool:
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     return plugin is not None and plugin.zero_stage == 3

@@ -67,6 +67,10 @@ class StepBatch:
         """Input tokens, padding excluded, as a 0-dim tensor on the batch's device."""
         raise NotImplementedError
 
+    def model_positions(self) -> int:
+        """Positions the model runs over (padding included), known on the host: Trainer's FLOP count."""
+        return getattr(self, "input_ids").numel()
+
 
 def is_prepared(batch: Any) -> bool:
     return isinstance(batch, StepBatch) or bool(batch.get(PREPARED))
@@ -139,6 +143,11 @@ class FusedAlignTrainer(Trainer):
 
     def _prepare_inputs(self, inputs):
         return inputs if isinstance(inputs, StepBatch) else super()._prepare_inputs(inputs)
+
+    def floating_point_ops(self, inputs) -> int:
+        if isinstance(inputs, StepBatch):
+            return super().floating_point_ops({"input_ids": torch.empty(inputs.model_positions(), device="meta")})
+        return super().floating_point_ops(inputs)
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
         batch_samples = []

@@ -1,7 +1,9 @@
 """GRPOTrainer: step preparation (generate, score, advantages) -> policy log-probs -> GRPO loss.
 
 Generation happens in the trainer's step preparation, once per generation window, before
-any forward of the step (`trainers/grpo_rollout.py`); the policy, old-policy and reference
+any forward of the step, by the rollout component the trainer holds
+(`trainers/grpo_rollout.py`), which owns the generation state and saves it in every
+checkpoint; it returns typed micro-batches (`trainers/grpo_batch.py`). The policy, old-policy and reference
 log-probs all come from `token_logprobs`, i.e. from the fused head inside `lm_head`'s own
 forward, entropy in the same pass. The base normalises each micro-batch's loss sum by the
 loss type's items over the whole optimizer step and every rank (`losses/grpo.py` gives the
@@ -31,7 +33,8 @@ from fusedalign.losses import (
 )
 from fusedalign.rewards import RewardFunctions, load_reward_function, load_reward_functions
 from fusedalign.trainers.base import FusedAlignTrainer
-from fusedalign.trainers.grpo_rollout import Rollout, loss_mask, make_rollout
+from fusedalign.trainers.grpo_batch import GRPOMicroBatch
+from fusedalign.trainers.grpo_rollout import GRPORollout, Split
 from fusedalign.trainers.policy import load_policy
 from fusedalign.trainers.reference import Reference, load_reference_model
 
@@ -73,26 +76,34 @@ class GRPOTrainer(FusedAlignTrainer):
         policy = load_policy(model, args, processing_class, peft_config)
         reference = load_reference_model(ref_model, policy, args, needed=args.beta != 0.0)
         tokenizer = policy.tokenizer
-        self.reward_funcs = RewardFunctions(_reward_callables(reward_funcs, args), args.reward_weights)
-        train_dataset, eval_dataset = (None if d is None else self._prepare_split(d, tokenizer, args)
-                                       for d in (train_dataset, eval_dataset))
+        reward_funcs = RewardFunctions(_reward_callables(reward_funcs, args), args.reward_weights)
+        (train_dataset, train_split), (eval_dataset, eval_split) = (
+            self._prepare_split(d, tokenizer, args, reward_funcs) for d in (train_dataset, eval_dataset))
         super().__init__(model=policy.model, args=args, data_collator=collate_rows, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=tokenizer, callbacks=callbacks)
         self.reference = Reference.prepare(reference, self.accelerator, policy_is_peft=policy.is_peft,
                                            needed=args.beta != 0.0, disable_dropout_=args.disable_dropout)
-        for func in self.reward_funcs.funcs:
+        for func in reward_funcs.funcs:
             if hasattr(func, "prepare"):
                 func.prepare(self.accelerator)
-        self.generator = generator if generator is not None else _default_generator(args, tokenizer)
         self.loss_options = args.loss_options()
-        self.generation_step = 0
-        self._rollout: Rollout | None = None
+        self.rollout = self.checkpointed("grpo_rollout", GRPORollout(
+            args, generator if generator is not None else _default_generator(args, tokenizer), reward_funcs,
+            tokenizer, self.accelerator, self.metrics, lambda m, inputs, labels: self.token_logprobs(
+                m, inputs, labels).logps, self.reference, train_split, eval_split), per_rank=True)
 
-    def _prepare_split(self, dataset: Dataset, tokenizer: Any, args: GRPOConfig) -> Dataset:
-        dataset, stats = prepare_prompt_dataset(dataset, tokenizer, max_prompt_length=args.max_prompt_length)
-        self.conversational = stats.format.conversational
-        self.reward_funcs.check_call([c for c in dataset.column_names if c not in ("prompt", "prompt_ids", "row_index")])
-        return dataset
+    @property
+    def generator(self) -> Any:
+        return self.rollout.generator
+
+    @property
+    def reward_funcs(self) -> RewardFunctions:
+        return self.rollout.reward_funcs
+
+    @property
+    def generation_step(self) -> int:
+        """Training generations so far (the key of the next one's draws)."""
+        return self.rollout.generations
 
     @property
     def ref_model(self) -> nn.Module | None:
@@ -129,35 +140,30 @@ class GRPOTrainer(FusedAlignTrainer):
 
     # ------------------------------------------------------------------ the step
 
-    def prepare_step(self, model: nn.Module, batches: list[dict[str, Any]], mode: str) -> list[dict[str, Any]]:
+    def prepare_step(self, model: nn.Module, batches: list[dict[str, Any]], mode: str) -> list[GRPOMicroBatch]:
         """Generates at the start of every window, then serves its micro-batches in order."""
-        prepared = []
-        for item in batches:
-            if mode == "eval" or self._rollout is None or self._rollout.exhausted:
-                rollout = make_rollout(self, model, item["rows"], mode)
-                if mode == "eval":
-                    prepared.append(rollout.next())
-                    continue
-                self._rollout = rollout
-            prepared.append(self._rollout.next())
+        serve = self.rollout.train_batch if mode == "train" else self.rollout.eval_batch
+        prepared = [serve(model, item["rows"], self.state) for item in batches]
         if self.args.entropy_coef > 0:
             # The bonus is coef x the entropy's mean over the step's loss tokens (every rank).
-            totals = torch.stack([torch.stack([count_items(loss_mask(b), self.args.loss_type),
-                                               loss_mask(b).sum().float()]) for b in prepared]).sum(0)
+            totals = torch.stack([torch.stack([count_items(b.loss_mask, self.args.loss_type),
+                                               b.loss_mask.sum().float()]) for b in prepared]).sum(0)
             totals = self.accelerator.reduce(totals, reduction="sum")
-            prepared = [{**b, "entropy_weight": entropy_weight(self.args.entropy_coef, totals[0], totals[1])}
-                        for b in prepared]
+            weight = entropy_weight(self.args.entropy_coef, totals[0], totals[1])
+            prepared = [b.replace(entropy_weight=weight) for b in prepared]
         return prepared
 
-    def count_items(self, inputs: dict[str, Any]) -> torch.Tensor:
+    def count_items(self, inputs: GRPOMicroBatch) -> torch.Tensor:
         """The loss type's items: tokens (dapo, cispo, vespo), sequences, or the micro-batch (bnpo)."""
-        return count_items(loss_mask(inputs), self.args.loss_type)
+        return count_items(inputs.loss_mask, self.args.loss_type)
 
-    def loss_and_metrics(self, model: nn.Module, inputs: dict[str, Any], mode: str) -> tuple[torch.Tensor, GRPOLossMetrics]:
-        args, labels = self.args, inputs["labels"]
-        mask = loss_mask(inputs)
-        model_inputs = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]}
-        out = self.token_logprobs(model, model_inputs, labels, entropy=True, entropy_grad=args.entropy_coef > 0)
+    def loss_and_metrics(self, model: nn.Module, inputs: GRPOMicroBatch, mode: str) -> tuple[torch.Tensor, GRPOLossMetrics]:
+        args = self.args
+        batch = inputs.require(old_logps=mode == "train" and args.needs_old_logps, ref_logps=args.beta != 0.0,
+                               entropy_weight=args.entropy_coef > 0)
+        mask = batch.loss_mask
+        out = self.token_logprobs(model, batch.model_inputs, batch.labels, entropy=True,
+                                  entropy_grad=args.entropy_coef > 0)
         entropy_mask = None
         if args.top_entropy_quantile < 1.0:
             # TRL's threshold: a quantile of every rank's valid token entropies of this micro-batch.
@@ -167,11 +173,25 @@ class GRPOTrainer(FusedAlignTrainer):
             threshold = entropy_threshold(gathered[~torch.isnan(gathered)], args.top_entropy_quantile)
             entropy_mask = high_entropy_mask(out.entropy.detach(), mask, threshold)
         result = grpo_loss(
-            out.logps, mask, inputs["advantages"], self.loss_options, old_logps=inputs.get("old_logps"),
-            ref_logps=inputs.get("ref_logps"), entropy=out.entropy, entropy_mask=entropy_mask,
-            entropy_weight=inputs.get("entropy_weight", 0.0),
+            out.logps, mask, batch.advantages, self.loss_options, old_logps=batch.old_logps, ref_logps=batch.ref_logps,
+            entropy=out.entropy, entropy_mask=entropy_mask,
+            entropy_weight=0.0 if batch.entropy_weight is None else batch.entropy_weight,
         )
         return result.loss_sum, result.metrics
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        super().log(logs, start_time)
+        self.rollout.completion_log.flush(self.args.output_dir, self.args.num_completions_to_print)
+
+    @staticmethod
+    def _prepare_split(dataset: Dataset | None, tokenizer: Any, args: GRPOConfig,
+                       reward_funcs: RewardFunctions) -> tuple[Dataset | None, Split | None]:
+        """The split's prompts tokenised, and its format; the reward functions' call checked against its columns."""
+        if dataset is None:
+            return None, None
+        dataset, stats = prepare_prompt_dataset(dataset, tokenizer, max_prompt_length=args.max_prompt_length)
+        reward_funcs.check_call([c for c in dataset.column_names if c not in ("prompt", "prompt_ids", "row_index")])
+        return dataset, Split(stats.format.conversational)
 
 
 def _reward_callables(reward_funcs: Any, args: GRPOConfig) -> list[Callable]:

@@ -1,6 +1,6 @@
-"""GRPO's rollout: one generation window on this rank, generated, scored, and cut into micro-batches.
+"""GRPO's rollout: a component the trainer holds, which owns every piece of generation state.
 
-Called from the trainer's step preparation, before any forward of the step:
+One generation window on this rank is generated, scored and cut into micro-batches:
 
 1. generate the completions of the rank's share of the generation batch, on whole weights
    (`fusedalign.distributed.generation_weights`), with the fused head not installed;
@@ -14,23 +14,35 @@ Called from the trainer's step preparation, before any forward of the step:
 
 A row's key is (its dataset row, its index within its group), from its position in the
 whole generation batch, so keyed sampling and replay give the same completion to the same
-row on any split over ranks.
+row on any split over ranks. Draws are also keyed by a generation counter, which this
+component owns and saves in every checkpoint together with the window being served (its
+micro-batches, old-policy and reference log-probs included), so that a run resumed from any
+checkpoint, mid-window too, trains exactly as the uninterrupted one.
+
+Evaluation has its own key space (`EVAL_KEYS + global step`, never a training counter) and
+its own format (the eval split may be conversational when the train split is not); without
+keyed sampling its draws come from a forked RNG. So evaluation on or off changes nothing
+of training.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from fusedalign.data.grpo import completion_batch
 from fusedalign.distributed import generation_weights
-from fusedalign.head import IGNORE_INDEX
 from fusedalign.losses import RewardMetrics, group_advantages
 from fusedalign.metrics import Max, Mean, MetricSet, Min, logged_as
 from fusedalign.rewards import format_completions, reward_columns
+from fusedalign.trainers.base import CheckpointError
+from fusedalign.trainers.grpo_batch import GRPOMicroBatch
+from fusedalign.trainers.grpo_completions import CompletionLog
+
+EVAL_KEYS = 2**31  # evaluation's generation keys: EVAL_KEYS + the global step (training's stay below)
 
 
 @dataclass(frozen=True)
@@ -61,82 +73,157 @@ class CompletionMetrics(MetricSet):
         )
 
 
-class Rollout:
-    """The micro-batches of one generation window, served in order, each `uses` times in all."""
+@dataclass
+class Window:
+    """The micro-batches of one training generation window, served in order, each `uses` times."""
 
-    def __init__(self, batches: list[dict[str, Any]], uses: int):
-        self.batches, self.uses, self.served = batches, uses, 0
+    batches: list[GRPOMicroBatch]
+    uses: int
+    served: int = 0
 
     @property
     def exhausted(self) -> bool:
         return self.served >= len(self.batches) * self.uses
 
-    def next(self) -> dict[str, Any]:
+    def next(self) -> GRPOMicroBatch:
         batch = self.batches[self.served % len(self.batches)]
         self.served += 1
         return batch
 
 
-def make_rollout(trainer: Any, model: Any, rows: list[dict[str, Any]], mode: str) -> Rollout:
-    """Generates, scores and cuts one window of `rows` (this rank's share); see the module docstring."""
-    args, acc = trainer.args, trainer.accelerator
-    G = args.num_generations if mode == "train" else (args.num_generations_eval or args.num_generations)
-    offset = acc.process_index * len(rows)  # the rows' place in the whole generation batch
-    keys = [(int(r["row_index"]), (offset + j) % G) for j, r in enumerate(rows)]
-    prompt_ids = [list(r["prompt_ids"]) for r in rows]
-    start = time.perf_counter()
-    with generation_weights(model, acc) as whole:
-        out = trainer.generator.generate(whole, prompt_ids, keys, step=trainer.generation_step)
-    seconds = time.perf_counter() - start
-    trainer.generation_step += 1
-    completions = trainer.processing_class.batch_decode(out.completion_ids, skip_special_tokens=True)
-    rewards = trainer.reward_funcs(
-        [r["prompt"] for r in rows], format_completions(completions, trainer.conversational), out.completion_ids,
-        reward_columns(rows), trainer_state=trainer.state,
-        row_ids=[f"dataset row {k[0]} (from 0), generation {k[1]}" for k in keys],
-    )  # [n, K]
-    gathered = acc.gather(rewards.to(acc.device))  # [N, K], rank order = generation-batch order
-    adv = group_advantages(gathered, trainer.reward_funcs.weights, G, args.scale_rewards,
-                           args.multi_objective_aggregation)
-    mine = slice(offset, offset + len(rows))
-    advantages, truncated = adv.advantages[mine], torch.tensor(out.truncated)
-    lengths = torch.tensor([len(c) for c in out.completion_ids])
-    trainer.metrics.record(mode, [
-        RewardMetrics.of(rewards, adv.rewards[mine].cpu(), adv.std_is_zero[mine].cpu(), trainer.reward_funcs.names),
-        CompletionMetrics.of(lengths, truncated, seconds),
-    ])
-    loss_rows = ~truncated if args.mask_truncated_completions else None
-    order = list(range(len(rows)))
-    micro = args.per_device_train_batch_size if mode == "train" else len(rows)
-    if len(rows) > micro:  # several micro-batches: decorrelate them (seeded, as TRL shuffles)
-        g = torch.Generator().manual_seed(args.seed + trainer.generation_step)
-        order = torch.randperm(len(rows), generator=g).tolist()
-    batches = []
-    for first in range(0, len(rows), micro):
-        idx = order[first:first + micro]
-        batch = completion_batch([prompt_ids[i] for i in idx], [out.completion_ids[i] for i in idx],
-                                 trainer.processing_class.pad_token_id,
-                                 None if loss_rows is None else loss_rows[idx])
-        batch = {k: v.to(acc.device) for k, v in batch.items()}
-        batch["advantages"] = advantages[idx].to(acc.device)
-        _add_fixed_logps(trainer, model, batch, mode)
-        batches.append(batch)
-    uses = args.num_iterations if mode == "train" else 1
-    return Rollout(batches, uses)
+@dataclass(frozen=True)
+class Split:
+    """What the rollout needs to know of a prompt split: its format."""
+
+    conversational: bool
 
 
-def _add_fixed_logps(trainer: Any, model: Any, batch: dict[str, Any], mode: str) -> None:
-    """Old-policy and reference log-probs [b, T] of a micro-batch, each only when it is needed."""
-    args = trainer.args
-    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
-    with torch.no_grad():
-        if mode == "train" and args.needs_old_logps:
-            batch["old_logps"] = trainer.token_logprobs(model, inputs, batch["labels"]).logps
-        if args.beta != 0.0:
-            batch["ref_logps"] = trainer.reference.run(
-                model, lambda m: trainer.token_logprobs(m, inputs, batch["labels"]).logps)
+Scorer = Callable[[Any, dict, torch.Tensor], torch.Tensor]  # (model, inputs, labels) -> logps [b, T]
 
 
-def loss_mask(batch: dict[str, Any]) -> torch.Tensor:
-    """[b, T] bool: the completion tokens in the loss."""
-    return batch["labels"] != IGNORE_INDEX
+class GRPORollout:
+    """Generation, scoring and the training window; see the module docstring.
+
+    Args:
+        args: the GRPOConfig.
+        generator: a `fusedalign.generation.Generator`.
+        reward_funcs: `RewardFunctions`.
+        tokenizer: the policy's tokenizer (decoding, padding id).
+        accelerator: the Trainer's accelerator (rank, device, gathers).
+        metrics: the Trainer's `MetricsRecorder`.
+        score: per-token log-probs of a model on a micro-batch (the trainer's `token_logprobs`).
+        reference: the Trainer's `Reference` component.
+        train_split, eval_split: the formats of the splits (None: no such split).
+    """
+
+    def __init__(self, args: Any, generator: Any, reward_funcs: Any, tokenizer: Any, accelerator: Any, metrics: Any,
+                 score: Scorer, reference: Any, train_split: Split | None, eval_split: Split | None):
+        self.args, self.generator, self.reward_funcs, self.tokenizer = args, generator, reward_funcs, tokenizer
+        self.accelerator, self.metrics, self.score, self.reference = accelerator, metrics, score, reference
+        self.splits = {"train": train_split, "eval": eval_split}
+        self.generations = 0  # training generations so far: the key of the next one's draws
+        self.window: Window | None = None
+        self.completion_log = CompletionLog(args.log_completions, accelerator)
+
+    # ------------------------------------------------------------------ serving
+
+    def train_batch(self, model: Any, rows: list[dict[str, Any]], trainer_state: Any) -> GRPOMicroBatch:
+        """The next micro-batch of the window, generating a new window at its start."""
+        if self.window is None or self.window.exhausted:
+            batches = self._generate(model, rows, "train", self.generations, trainer_state)
+            self.generations += 1
+            self.window = Window(batches, self.args.num_iterations)
+        return self.window.next().to(self.accelerator.device)
+
+    def eval_batch(self, model: Any, rows: list[dict[str, Any]], trainer_state: Any) -> GRPOMicroBatch:
+        """One evaluation batch as a single micro-batch; no training state is read or changed."""
+        device = self.accelerator.device
+        devices = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            return self._generate(model, rows, "eval", EVAL_KEYS + trainer_state.global_step, trainer_state)[0]
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        window = None
+        if self.window is not None and not self.window.exhausted:
+            window = {"batches": [b.state() for b in self.window.batches], "uses": self.window.uses,
+                      "served": self.window.served}
+        return {"generations": self.generations, "window": window}
+
+    def load_state_dict(self, state: dict[str, Any], same_ranks: bool = True) -> None:
+        if state.get("window") is not None and not same_ranks:
+            raise CheckpointError(
+                "this checkpoint was written in the middle of a GRPO generation window by another number of "
+                "processes, whose completions were split over those ranks; resume it with the same number of "
+                "processes, or from a checkpoint at the end of a window (save_steps a multiple of "
+                "steps_per_generation x num_iterations / gradient_accumulation_steps)")
+        self.generations = int(state["generations"])
+        window = state.get("window")
+        self.window = None if window is None else Window(
+            [GRPOMicroBatch(**b) for b in window["batches"]], int(window["uses"]), int(window["served"]))
+
+    # ------------------------------------------------------------------ one window
+
+    def _generate(self, model: Any, rows: list[dict[str, Any]], mode: str, key: int,
+                  trainer_state: Any) -> list[GRPOMicroBatch]:
+        """Generates, scores and cuts `rows` (this rank's share); see the module docstring."""
+        args, acc = self.args, self.accelerator
+        G = args.num_generations if mode == "train" else (args.num_generations_eval or args.num_generations)
+        offset = acc.process_index * len(rows)  # the rows' place in the whole generation batch
+        keys = [(int(r["row_index"]), (offset + j) % G) for j, r in enumerate(rows)]
+        prompt_ids = [list(r["prompt_ids"]) for r in rows]
+        start = time.perf_counter()
+        with generation_weights(model, acc) as whole:
+            out = self.generator.generate(whole, prompt_ids, keys, step=key)
+        seconds = time.perf_counter() - start
+        completions = self.tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
+        rewards = self.reward_funcs(
+            [r["prompt"] for r in rows], format_completions(completions, self.splits[mode].conversational),
+            out.completion_ids, reward_columns(rows), trainer_state=trainer_state,
+            row_ids=[f"dataset row {k[0]} (from 0), generation {k[1]}" for k in keys],
+        )  # [n, K]
+        gathered = acc.gather(rewards.to(acc.device))  # [N, K], rank order = generation-batch order
+        adv = group_advantages(gathered, self.reward_funcs.weights, G, args.scale_rewards,
+                               args.multi_objective_aggregation)
+        mine = slice(offset, offset + len(rows))
+        advantages, truncated = adv.advantages[mine], torch.tensor(out.truncated)
+        lengths = torch.tensor([len(c) for c in out.completion_ids])
+        self.metrics.record(mode, [
+            RewardMetrics.of(rewards, adv.rewards[mine].cpu(), adv.std_is_zero[mine].cpu(), self.reward_funcs.names),
+            CompletionMetrics.of(lengths, truncated, seconds),
+        ])
+        if mode == "train":
+            self.completion_log.add(trainer_state.global_step + 1, [r["prompt"] for r in rows], completions,
+                                    rewards, self.reward_funcs.names, advantages)
+        return self._cut(model, rows, prompt_ids, out, advantages, truncated, mode, key)
+
+    def _cut(self, model: Any, rows: list, prompt_ids: list, out: Any, advantages: torch.Tensor,
+             truncated: torch.Tensor, mode: str, key: int) -> list[GRPOMicroBatch]:
+        """The window's micro-batches, each with the log-probs its loss needs."""
+        args, device = self.args, self.accelerator.device
+        loss_rows = ~truncated if args.mask_truncated_completions else None
+        order = list(range(len(rows)))
+        micro = args.per_device_train_batch_size if mode == "train" else len(rows)
+        if len(rows) > micro:  # several micro-batches: decorrelate them (seeded, as TRL shuffles)
+            order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(args.seed + key + 1)).tolist()
+        batches = []
+        for first in range(0, len(rows), micro):
+            idx = order[first:first + micro]
+            parts = completion_batch([prompt_ids[i] for i in idx], [out.completion_ids[i] for i in idx],
+                                     self.tokenizer.pad_token_id, None if loss_rows is None else loss_rows[idx])
+            batch = GRPOMicroBatch(input_ids=parts["input_ids"].to(device),
+                                   attention_mask=parts["attention_mask"].to(device),
+                                   labels=parts["labels"].to(device), advantages=advantages[idx].to(device))
+            batches.append(self._with_fixed_logps(model, batch, mode))
+        return batches
+
+    def _with_fixed_logps(self, model: Any, batch: GRPOMicroBatch, mode: str) -> GRPOMicroBatch:
+        """Old-policy and reference log-probs [b, T] of a micro-batch, each only when it is needed."""
+        old = ref = None
+        with torch.no_grad():
+            if mode == "train" and self.args.needs_old_logps:
+                old = self.score(model, batch.model_inputs, batch.labels)
+            if self.args.beta != 0.0:
+                ref = self.reference.run(model, lambda m: self.score(m, batch.model_inputs, batch.labels))
+        return batch.replace(old_logps=old, ref_logps=ref)

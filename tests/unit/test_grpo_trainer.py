@@ -118,8 +118,8 @@ def test_generation_reuse_first_ratio_is_one_and_each_completion_used_num_iterat
 
     def recorded_loss_and_metrics(model, inputs, mode):
         # Each row's completion tokens name its (dataset row, generation) key: replayed completions are distinct.
-        completion = inputs["completion_mask"].bool()
-        seen.extend(by_completion[tuple(ids[m].tolist())] for ids, m in zip(inputs["input_ids"], completion))
+        # A row's labels on its loss tokens are its completion's tokens, in order.
+        seen.extend(by_completion[tuple(labels[m].tolist())] for labels, m in zip(inputs.labels, inputs.loss_mask))
         return loss_and_metrics(model, inputs, mode)
 
     trainer.loss_and_metrics = recorded_loss_and_metrics
