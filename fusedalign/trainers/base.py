@@ -88,6 +88,7 @@ class FusedAlignTrainer(Trainer):
         self.metrics = MetricsRecorder(self.accelerator)
         self._checkpointed: dict[str, Any] = {}
         self._rank_checkpointed: dict[str, Any] = {}
+        self._rng_pending: str | None = None  # a checkpoint whose RNG states are still to be restored
         self._tokens_pending = torch.zeros((), dtype=torch.float64, device=self.accelerator.device)
         self.add_callback(MetricsJSONLCallback())
 
@@ -157,6 +158,10 @@ class FusedAlignTrainer(Trainer):
             except StopIteration:
                 break
         if batch_samples:
+            if self._rng_pending is not None:
+                # Resumed mid-epoch, Trainer restores the RNG states only after this method, but the
+                # step's preparation (GRPO's sampling) draws here: restore them first (once).
+                self._load_rng_state(self._rng_pending)
             self.model_wrapped.train()  # as training_step will; the step's work runs in training mode
             batch_samples = self._prepared(self.model_wrapped, batch_samples, "train")
         counts = [torch.stack([torch.as_tensor(self.count_items(b), device=device).double(),
@@ -185,6 +190,13 @@ class FusedAlignTrainer(Trainer):
             loss = loss_sum * (self.accelerator.num_processes / num_items_in_batch.clamp(min=1))
         self.metrics.record(mode, metrics)
         return (loss, None) if return_outputs else loss
+
+    def evaluation_loop(self, *args: Any, **kwargs: Any):
+        """Evaluation on forked RNG states: whatever it draws (its dataloader's seed, GRPO's
+        sampling), training after it draws as if it had not run."""
+        device = self.accelerator.device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            return super().evaluation_loop(*args, **kwargs)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs = self._prepare_inputs(inputs)
@@ -248,6 +260,14 @@ class FusedAlignTrainer(Trainer):
         if checkpoint and self._rank_checkpointed:
             self._load_rank_state(checkpoint)
         self._fusedalign_last_logged = self.state.global_step
+        self._rng_pending = checkpoint
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        """Restores the checkpoint's RNG states once, whichever of Trainer and `get_batch_samples`
+        (before the first resumed step's preparation) comes first."""
+        if checkpoint is not None and checkpoint == self._rng_pending:
+            super()._load_rng_state(checkpoint)
+            self._rng_pending = None
 
     def _load_rank_state(self, checkpoint: str) -> None:
         path = os.path.join(checkpoint, RANK_STATE_FILE.format(rank=self.accelerator.process_index))

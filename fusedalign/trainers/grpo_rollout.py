@@ -21,8 +21,8 @@ checkpoint, mid-window too, trains exactly as the uninterrupted one.
 
 Evaluation has its own key space (`EVAL_KEYS + global step`, never a training counter) and
 its own format (the eval split may be conversational when the train split is not); without
-keyed sampling its draws come from a forked RNG. So evaluation on or off changes nothing
-of training.
+keyed sampling its draws come from RNG states the base forks for evaluation. So evaluation
+on or off changes nothing of training.
 """
 
 from __future__ import annotations
@@ -136,11 +136,9 @@ class GRPORollout:
         return self.window.next().to(self.accelerator.device)
 
     def eval_batch(self, model: Any, rows: list[dict[str, Any]], trainer_state: Any) -> GRPOMicroBatch:
-        """One evaluation batch as a single micro-batch; no training state is read or changed."""
-        device = self.accelerator.device
-        devices = [device] if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            return self._generate(model, rows, "eval", EVAL_KEYS + trainer_state.global_step, trainer_state)[0]
+        """One evaluation batch as a single micro-batch; no training state is read or changed (the
+        base evaluates on forked RNG states)."""
+        return self._generate(model, rows, "eval", EVAL_KEYS + trainer_state.global_step, trainer_state)[0]
 
     # ------------------------------------------------------------------ checkpoints
 
