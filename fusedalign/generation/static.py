@@ -157,7 +157,7 @@ class StaticDecode:
         L = P + self.max_new_tokens
         input_ids, prompt_mask = input_ids.to(device), prompt_mask.to(device)
         lm = unwrap_model(model)
-        cache = {_cache_keyword(lm): StaticCache(config=lm.config, max_cache_len=L)}
+        cache = {_cache_keyword(lm): _dtype_stable(StaticCache(config=lm.config, max_cache_len=L))}
         # Positions as generate gives them to left-padded rows.
         positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
         if self.sampler is not None:
@@ -200,6 +200,28 @@ class StaticDecode:
         logprobs = state.logprobs.clone() if state.logprobs is not None else None
         del graph, cache
         return tokens, logprobs
+
+
+def _dtype_stable(cache: Any) -> Any:
+    """The static cache, each layer keeping the dtype of its first keys and values.
+
+    Under autocast a float32 model's keys need not keep one dtype from the prefill to the
+    decoding steps (on CUDA the first generation of a float32 model with `bf16` on met bfloat16
+    keys after float32 ones). A dynamic cache concatenates them, promoting; a static cache
+    copies into the buffers it allocated for the first, and `index_copy_` refuses another
+    dtype. Cast to the first: the attention casts both to autocast's dtype anyway, so the
+    values it sees are those of a dynamic cache.
+    """
+    for layer in getattr(cache, "layers", []):
+        update = layer.update
+
+        def update_in_first_dtype(keys: Tensor, values: Tensor, *args: Any, _layer=layer, _update=update, **kwargs):
+            if getattr(_layer, "is_initialized", False):
+                keys, values = keys.to(_layer.keys.dtype), values.to(_layer.values.dtype)
+            return _update(keys, values, *args, **kwargs)
+
+        layer.update = update_in_first_dtype
+    return cache
 
 
 def _cache_keyword(lm: nn.Module) -> str:

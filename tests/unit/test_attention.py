@@ -196,6 +196,7 @@ CUDA_CASES = [("qwen2", "flex_attention", "sdpa"), ("llama", "flex_attention", "
               ("gemma2", "flex_attention", "eager"), ("gemma2", "eager", "eager")]
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (flex attention's backward)")
 @pytest.mark.parametrize("share", [False, True], ids=["padding_free", "shared_prompt"])
 @pytest.mark.parametrize("name, attn, padded_attn", CUDA_CASES)

@@ -126,6 +126,7 @@ def test_generation_backend_flag(tmp_path):
         GRPOConfig(output_dir=str(tmp_path), generation_backend="vllm")
 
 
+@pytest.mark.cuda_path
 def test_grpo_trains_the_same_on_either_generation_backend(tmp_path):
     """Keyed sampling gives the same completions on either backend, so two GRPO steps log the
     same values and end at the same weights; the static backend really ran."""
@@ -148,12 +149,21 @@ def test_grpo_trains_the_same_on_either_generation_backend(tmp_path):
         logs = [{k: v for k, v in e.items() if "time" not in k and "runtime" not in k}
                 for e in trainer.state.log_history if "loss" in e]
         runs[backend] = logs, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    # On CUDA bf16 is on over the float32 builtin model: both generators run under autocast, so the
+    # same keyed draws give the same completions (what they depend on: rewards, lengths exactly),
+    # while the losses of the two runs may part by bf16 rounding of different kernels.
+    bf16 = args.bf16
     for got, want in zip(runs["static"][0], runs["generate"][0], strict=True):
         assert got.keys() == want.keys()
         for key, value in want.items():
-            assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-7), key
+            exact = key.startswith(("reward", "completions/")) or key in ("step", "epoch", "num_tokens")
+            if bf16 and not exact:
+                assert got[key] == pytest.approx(value, rel=2e-2, abs=2e-3), key
+            else:
+                assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-7), key
     for name, value in runs["generate"][1].items():
-        torch.testing.assert_close(runs["static"][1][name], value, rtol=1e-6, atol=1e-8, msg=name)
+        tolerance = dict(rtol=2e-2, atol=1e-3) if bf16 else dict(rtol=1e-6, atol=1e-8)
+        torch.testing.assert_close(runs["static"][1][name], value, **tolerance, msg=name)
     assert any(e["completions/mean_length"] > 1 for e in runs["static"][0])
 
 
@@ -223,3 +233,25 @@ def test_cuda_graph_sampling_draws_fresh_samples_of_the_processed_softmax():
     # do (sum of p^22; the same noise every replay would make it every row).
     repeated = (tokens == tokens[:, :1]).all(1).double().mean()
     assert abs(repeated - (want ** tokens.shape[1]).sum()) < 0.04, (repeated, (want ** tokens.shape[1]).sum())
+
+
+def test_keys_whose_dtype_changes_after_the_prefill_decode_as_generate(monkeypatch):
+    """Under autocast a float32 model's keys can come in float32 from the prefill and in bfloat16
+    from the decoding steps (seen on CUDA with bf16 on): the static cache keeps its first dtype,
+    and the completions are generate's (whose dynamic cache concatenates and promotes)."""
+    from transformers.models.qwen2 import modeling_qwen2
+
+    rotate = modeling_qwen2.apply_rotary_pos_emb
+
+    def bf16_keys_when_decoding(q, k, cos, sin, *args, **kwargs):
+        q, k = rotate(q, k, cos, sin, *args, **kwargs)
+        return q, k.to(torch.bfloat16) if k.shape[-2] == 1 else k
+
+    monkeypatch.setattr(modeling_qwen2, "apply_rotary_pos_emb", bf16_keys_when_decoding)
+    model, tok = load_model("builtin:tiny-qwen2", attn_implementation="eager").eval(), load_tokenizer("builtin:tiny-qwen2")
+    prompts, keys = _prompts(), _keys(len(PROMPT_LENGTHS))
+    want = HFGenerate(**_kw(tok, do_sample=False)).generate(model, prompts, keys)
+    decode = StaticDecode(**_kw(tok, do_sample=False))
+    got = decode.generate(model, prompts, keys)
+    assert decode.last_call["path"] == "static"
+    assert got.completion_ids == want.completion_ids and got.truncated == want.truncated
