@@ -30,7 +30,7 @@ python3 -c "import accelerate, datasets, deepspeed, peft, transformers, triton" 
     || { echo "gpu_tests.sh: a package the tests need is missing (docs/gpu-tests.md: carry it in .whl/)" >&2; exit 2; }
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -n 1
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-  git rev-parse --short HEAD 2>/dev/null || true; } | tee "$OUT/machine.txt"
+  } | tee "$OUT/machine.txt"
 PYTHONUNBUFFERED=1 timeout -k 10 "$LIMIT" python3 -m pytest -q -m "gpu or cuda_path" tests/unit -p no:cacheprovider \
     --durations=15 --junitxml="$OUT/gpu-tests.xml" -o junit_family=xunit1 2>&1 | tee "$OUT/gpu-tests.log"
 rc=${PIPESTATUS[0]}

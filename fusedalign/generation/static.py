@@ -203,24 +203,27 @@ class StaticDecode:
 
 
 def _dtype_stable(cache: Any) -> Any:
-    """The static cache, each layer keeping the dtype of its first keys and values.
+    """The static cache, each layer's keys and values kept in the dtype of its first keys.
 
-    Under autocast a float32 model's keys need not keep one dtype from the prefill to the
-    decoding steps (on CUDA the first generation of a float32 model with `bf16` on met bfloat16
-    keys after float32 ones). A dynamic cache concatenates them, promoting; a static cache
-    copies into the buffers it allocated for the first, and `index_copy_` refuses another
-    dtype. Cast to the first: the attention casts both to autocast's dtype anyway, so the
-    values it sees are those of a dynamic cache.
+    Under autocast a float32 model's keys come out of the rotary embedding in float32 (it
+    promotes) and its values out of `v_proj` in bfloat16. A dynamic cache stores each as it
+    comes; a static one copies into buffers it allocates at the first update, and transformers
+    5.17 allocates both in the keys' dtype, so `index_copy_` refused the values (the first
+    generation of a float32 model with `bf16` on, on CUDA). Cast to the keys' dtype, then to
+    the buffers': exact (bfloat16 widens to float32 without loss), and the attention casts
+    both to autocast's dtype anyway, so it sees the values a dynamic cache gives it.
     """
     for layer in getattr(cache, "layers", []):
         update = layer.update
 
-        def update_in_first_dtype(keys: Tensor, values: Tensor, *args: Any, _layer=layer, _update=update, **kwargs):
+        def update_in_one_dtype(keys: Tensor, values: Tensor, *args: Any, _layer=layer, _update=update, **kwargs):
             if getattr(_layer, "is_initialized", False):
                 keys, values = keys.to(_layer.keys.dtype), values.to(_layer.values.dtype)
+            else:
+                values = values.to(keys.dtype)
             return _update(keys, values, *args, **kwargs)
 
-        layer.update = update_in_first_dtype
+        layer.update = update_in_one_dtype
     return cache
 
 

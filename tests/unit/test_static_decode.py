@@ -255,3 +255,25 @@ def test_keys_whose_dtype_changes_after_the_prefill_decode_as_generate(monkeypat
     got = decode.generate(model, prompts, keys)
     assert decode.last_call["path"] == "static"
     assert got.completion_ids == want.completion_ids and got.truncated == want.truncated
+
+
+def test_a_float32_model_under_bf16_autocast_decodes_as_generate(monkeypatch):
+    """What CUDA showed with transformers 5.17: under autocast the keys leave the rotary embedding in
+    float32 and the values leave v_proj in bfloat16, and the static cache allocates both buffers in
+    the keys' dtype (emulated here on a later transformers). The completions are generate's."""
+    from transformers.cache_utils import StaticLayer
+
+    initialize = StaticLayer.lazy_initialization
+
+    def both_in_the_keys_dtype(self, key_states, value_states, *args, **kwargs):
+        return initialize(self, key_states, value_states.to(key_states.dtype), *args, **kwargs)
+
+    monkeypatch.setattr(StaticLayer, "lazy_initialization", both_in_the_keys_dtype)
+    model, tok = load_model("builtin:tiny-qwen2", attn_implementation="eager").eval(), load_tokenizer("builtin:tiny-qwen2")
+    prompts, keys = _prompts(), _keys(len(PROMPT_LENGTHS))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = HFGenerate(**_kw(tok, do_sample=False)).generate(model, prompts, keys)
+        decode = StaticDecode(**_kw(tok, do_sample=False))
+        got = decode.generate(model, prompts, keys)
+    assert decode.last_call["path"] == "static"
+    assert got.completion_ids == want.completion_ids and got.truncated == want.truncated
