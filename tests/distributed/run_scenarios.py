@@ -64,7 +64,8 @@ def build_trainer(spec: dict, out_dir: str):
         per_device_train_batch_size=spec["per_device_batch"],
         per_device_eval_batch_size=spec.get("eval_batch", spec["per_device_batch"]),
         gradient_accumulation_steps=_accumulation(spec), train_sampling_strategy="sequential",
-        logging_steps=1, save_strategy="no", seed=0, data_seed=0, fused_head=spec["fused"], report_to="none",
+        logging_steps=1, save_strategy="steps" if spec.get("save_steps") else "no", save_steps=spec.get("save_steps", 500),
+        seed=0, data_seed=0, fused_head=spec["fused"], report_to="none",
         dataloader_drop_last=False, max_length=spec.get("max_length", 64),
         compile_layers=spec.get("compile", False), gradient_checkpointing=spec.get("gradient_checkpointing", False),
         gradient_checkpointing_kwargs={"use_reentrant": False} if spec.get("gradient_checkpointing") else None,
@@ -173,6 +174,11 @@ def run(spec: dict, out_root: str) -> None:
     from fusedalign.distributed import prepare_final_save
 
     out_dir = os.path.join(out_root, spec["name"])
+    if spec.get("resume_at"):
+        # A run stopped after checkpoint-K, then a new process group resuming from it.
+        first = build_trainer({**spec, "steps": spec["resume_at"], "save_steps": spec["resume_at"]}, out_dir)
+        first.train()
+        del first
     trainer = build_trainer(spec, out_dir)
     from torch._dynamo.utils import counters
 
@@ -181,7 +187,8 @@ def run(spec: dict, out_root: str) -> None:
 
     graphs_before = counters["stats"]["unique_graphs"]
     head = HeadCalls().start()
-    trainer.train()
+    resume = os.path.join(out_dir, f"checkpoint-{spec['resume_at']}") if spec.get("resume_at") else None
+    trainer.train(resume_from_checkpoint=resume)
     head_calls = head.stop()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     result = {

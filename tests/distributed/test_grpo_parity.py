@@ -7,7 +7,9 @@ after the reward gather. Per step: the loss, the rewards, KL and entropy; at the
 weight, to 1e-5. Plus beta > 0 with a separate reference and with the policy's adapter
 disabled (LoRA on lm_head), an all-masked step, and real generation with keyed sampling
 (the same draws on any split) under ZeRO-3 and FSDP2, a training step after every generation,
-once through transformers' generate and once through StaticDecode's own decoding loop.
+once through transformers' generate and once through StaticDecode's own decoding loop; and,
+under ZeRO-3, a keyed run with num_iterations 2 stopped inside a generation window and resumed
+from its checkpoint by new processes.
 
 Three splits that layout never makes, on DDP and, where noted, ZeRO-3:
 - groups that span ranks (also ZeRO-3): G = 8, each prompt's 8 completions 4 on rank 0 and
@@ -21,6 +23,8 @@ The keys each rank generated for (run_scenarios.py records them) show each split
 from __future__ import annotations
 
 import json
+
+import torch
 
 import pytest
 
@@ -46,6 +50,7 @@ BASELINE = [
     {**GRPO, "name": "keyed", "fused": False, "per_device_batch": 8, "keyed": True},
     {**GRPO, "name": "span", "fused": False, "per_device_batch": 8, "num_generations": 8},
     {**GRPO, "name": "masked_rank0", "fused": False, "per_device_batch": 8, **MASKED_RANK0},
+    {**GRPO, "name": "keyed_mu2", "fused": False, "per_device_batch": 8, "keyed": True, "num_iterations": 2},
 ]
 _common = [
     ({**GRPO, "name": "fused", "fused": True, "per_device_batch": 4}, "dapo"),
@@ -64,10 +69,15 @@ _span = ({**GRPO, "name": "span", "fused": True, "per_device_batch": 4, "num_gen
 _accum = ({**GRPO, "name": "accum", "fused": True, "per_device_batch": 2, "grad_accum": 2}, "dapo")
 _masked_rank0 = ({**GRPO, "name": "masked_rank0", "fused": True, "per_device_batch": 4, **MASKED_RANK0},
                  "masked_rank0")
+# Stopped after step 1, inside the window of steps 1-2 (num_iterations 2), and resumed by new
+# processes: the window's completions and old-policy log-probs, and the generation counter that
+# keys the draws of step 3, come from the checkpoint.
+_resumed = ({**GRPO, "name": "keyed_mu2_resumed", "fused": True, "per_device_batch": 4, "keyed": True,
+             "num_iterations": 2, "resume_at": 1}, "keyed_mu2")
 SCENARIOS = {
     "ddp": _common + [_lora, _span, _accum, _masked_rank0],
     "zero2": _common + [_kl],
-    "zero3": _common + [_kl, _lora, _keyed, _keyed_static, _span, _masked_rank0],
+    "zero3": _common + [_kl, _lora, _keyed, _keyed_static, _span, _masked_rank0, _resumed],
     "fsdp2": _common + [_kl, _lora, _keyed, _keyed_static],
 }
 CASES = [(backend, spec["name"], want) for backend in BACKENDS for spec, want in SCENARIOS[backend]]
@@ -146,3 +156,13 @@ def test_one_rank_all_masked(runs, backend):
     single = result(runs(None), "masked_rank0")
     assert all(loss != 0.0 for loss in single["losses"])  # rank 1's tokens do train
     assert all(0.5 < step["completions/clipped_ratio"] < 1.0 for step in single["history"])
+
+
+def test_the_zero3_run_resumed_inside_a_window_from_each_ranks_state(runs):
+    """Its parity is checked above; here, that it did resume, from a checkpoint holding each rank's
+    window in progress (written by both ranks)."""
+    checkpoint = runs("zero3") / "keyed_mu2_resumed" / "checkpoint-1"
+    for rank in (0, 1):
+        state = torch.load(checkpoint / f"fusedalign_rank{rank}.pt", weights_only=False)
+        assert state["num_processes"] == 2 and state["grpo_rollout"]["window"]["served"] == 1
+    assert [h["step"] for h in result(runs("zero3"), "keyed_mu2_resumed")["history"]] == [1, 2, 3]
