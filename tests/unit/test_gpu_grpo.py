@@ -3,6 +3,8 @@ shape, and compiled static-cache decoding that sees the weights after an optimiz
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from datasets import Dataset
@@ -34,14 +36,16 @@ def _prompts(rows: int) -> Dataset:
 def test_fused_equals_unfused_in_bf16_on_the_05b_shape(tmp_path):
     tokenizer = load_tokenizer("builtin:tiny-qwen2")  # token ids < 512, valid for any vocabulary
     replay = uneven_replay(8, 8, tokenizer.eos_token_id, max_length=64)
+    initial = _model()  # one random init (slow at this shape), copied for each policy and reference
     runs = {}
     for fused in (True, False):
         args = GRPOConfig(output_dir=str(tmp_path / str(fused)), max_steps=2, learning_rate=1e-5, bf16=True,
                           per_device_train_batch_size=16, num_generations=8, max_completion_length=64, beta=0.04,
                           logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, seed=0,
                           shuffle_dataset=False, fused_head=fused, loss_type="dapo")
-        trainer = GRPOTrainer(_model(), reward_funcs=token_sum_reward, args=args, train_dataset=_prompts(8),
-                              processing_class=tokenizer, generator=replay, ref_model=_model())
+        trainer = GRPOTrainer(copy.deepcopy(initial), reward_funcs=token_sum_reward, args=args,
+                              train_dataset=_prompts(8), processing_class=tokenizer, generator=replay,
+                              ref_model=copy.deepcopy(initial))
         trainer.train()
         runs[fused] = [e for e in trainer.state.log_history if "loss" in e]
     for a, b in zip(runs[True], runs[False]):
