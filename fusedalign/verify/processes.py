@@ -18,7 +18,7 @@ import time
 
 from fusedalign.verify.plan import Launch
 
-_ERROR_LINE = re.compile(r"^(\w+(\.\w+)*(Error|Exception)|fusedalign .*error)\b.*", re.IGNORECASE)
+_ERROR_LINE = re.compile(r"^(\[rank\d+\]: )?((\w+\.)*\w*(Error|Exception): .*|fusedalign .*error: .*)")
 
 
 def _free_port() -> int:
@@ -36,10 +36,14 @@ def command(launch: Launch, spec_file: str) -> list[str]:
 
 
 def last_error(log: str) -> str:
-    """The line a failed launch ended on: its last exception or error message."""
+    """The error a failed launch stopped on: the first a training process raised (the launcher's
+    own, naming only a failed child, comes after), else the last line of its output."""
     lines = [line.strip() for line in log.splitlines() if line.strip()]
-    errors = [line for line in lines if _ERROR_LINE.match(line)]
-    return (errors or lines or ["no output"])[-1][:300]
+    for line in lines:
+        match = _ERROR_LINE.match(line)
+        if match and "ChildFailedError" not in line:
+            return match.group(2)[:300]
+    return (lines or ["no output"])[-1][:300]
 
 
 def execute(launches: list[Launch], workdir: str, timeout: int | None = None) -> dict[str, str | None]:
