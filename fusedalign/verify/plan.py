@@ -51,6 +51,7 @@ class Launch:
     config: str | None
     num_processes: int
     runs: list[dict[str, Any]] = field(default_factory=list)
+    launch_args: list[str] = field(default_factory=list)  # more `accelerate launch` options
 
 
 def _values(argv: list[str], i: int) -> list[str]:
@@ -212,7 +213,8 @@ def plan(options: VerifyOptions, prefix: str = "") -> list[Launch]:
     for label, path in options.configs:
         config = read_config(path)
         runs = [{**base, "name": f"{prefix}{label}_{kind}", "label": f"{label}, {world} processes, {kind}",
-                 "oracle": oracle, "world": world, "distributed_type": DISTRIBUTED_TYPES.get(config["distributed_type"]),
+                 "oracle": oracle, "world": world,
+                 "distributed_type": DISTRIBUTED_TYPES.get(config["distributed_type"]),
                  "overrides": [*common, "--fused_head", str(kind == "fused").lower()]}
                 for kind in ("fused", "unfused")]
         launches.append(Launch(label, path, world, runs))
@@ -226,6 +228,6 @@ def merged(plans: list[list[Launch]]) -> list[Launch]:
         for launch in launches:
             key = (launch.config, launch.num_processes)
             if key not in out:
-                out[key] = Launch(launch.label, launch.config, launch.num_processes, [])
+                out[key] = Launch(launch.label, launch.config, launch.num_processes, [], launch.launch_args)
             out[key].runs += launch.runs
     return list(out.values())

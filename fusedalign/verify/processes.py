@@ -32,7 +32,8 @@ def command(launch: Launch, spec_file: str) -> list[str]:
     if launch.config is None:
         return [sys.executable, *worker]
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", launch.config,
-            "--num_processes", str(launch.num_processes), "--main_process_port", str(_free_port()), *worker]
+            "--num_processes", str(launch.num_processes), "--main_process_port", str(_free_port()),
+            *launch.launch_args, *worker]
 
 
 def last_error(log: str) -> str:

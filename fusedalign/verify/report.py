@@ -48,6 +48,6 @@ def table(oracle_label: str, comparisons: list[Comparison]) -> str:
 
 
 def tolerance_note() -> str:
-    parts = [f"{name}: {t.values:.0e} on per-step values, {t.weights:.0e} of the oracle's update on weights"
-             for name, t in TOLERANCES.items()]
+    parts = [f"{name}: {t.values:.0e} on loss and grad_norm, {t.metrics:.0e} on metrics, {t.weights:.0e} "
+             "of the oracle's update on weights" for name, t in TOLERANCES.items()]
     return "largest relative differences from the oracle; tolerances " + "; ".join(parts) + "."

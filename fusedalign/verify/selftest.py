@@ -31,7 +31,7 @@ from typing import Any
 
 from fusedalign.errors import CLIError
 
-SFT = ["--dataset_name", "builtin:zen", "--dataset_config", "standard_language_modeling",
+SFT = ["--bf16", "false", "--dataset_name", "builtin:zen", "--dataset_config", "standard_language_modeling",
        "--per_device_train_batch_size", "2", "--max_length", "64"]
 QWEN = ["--model_name_or_path", "builtin:tiny-qwen2", *SFT]
 
@@ -81,7 +81,8 @@ def case_launches(cases: tuple[Case, ...]) -> tuple[list, list[tuple[Case, str, 
     plans, pairs, oracles = [], [], {}
     for case in cases:
         configs = [(case.backend, backend_config(case.backend))] if case.backend else []
-        prefix = oracles.setdefault((case.argv, case.backend is None), f"{case.injection}_")  # cases with the same flags share an oracle
+        # Cases with the same flags and world size share an oracle.
+        prefix = oracles.setdefault((case.argv, case.backend is None), f"{case.injection}_")
         launches = plan(VerifyOptions("sft", list(case.argv), configs), prefix)
         single, *backends = launches
         oracle = single.runs[0]
@@ -92,6 +93,8 @@ def case_launches(cases: tuple[Case, ...]) -> tuple[list, list[tuple[Case, str, 
         clean["oracle"] = bug["oracle"] = oracle["name"]
         single.runs = [oracle] if prefix == f"{case.injection}_" else []
         target = backends[0] if backends else single
+        # float32 everywhere, as the CPU configs are: a GPU config's bf16 would loosen the tolerances.
+        target.launch_args = ["--mixed_precision", "no"] if backends else []
         target.runs = [*target.runs, clean, bug] if target is single else [clean, bug]
         plans.append(launches)
         pairs.append((case, clean["name"], bug["name"]))

@@ -70,7 +70,7 @@ def run_one(run: dict[str, Any]) -> None:
             "wrapper": type(trainer.model_wrapped).__name__,
             "fused_head": bool(args.fused_head),
             "dtype": str(next(trainer.model.parameters()).dtype).replace("torch.", ""),
-            "mixed_precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "no",
+            "mixed_precision": str(trainer.accelerator.mixed_precision),
         }
         with open(os.path.join(out_dir, "result.json"), "w") as f:
             json.dump(result, f, indent=1)

@@ -48,6 +48,16 @@ def test_rounding_within_tolerance_agrees():
     assert cmp.agrees and 0 < cmp.kinds["loss"].value < FP32.values
 
 
+def test_metrics_have_a_looser_tolerance_than_the_loss():
+    """Metrics such as DPO's rewards are small differences of large sums: their rounding is larger."""
+    cmp = Comparison("run")
+    compare_steps(cmp, _steps(rewards__margins=(1, 0.2 * (1 + 5e-4))), STEPS, FP32)
+    assert cmp.agrees and cmp.kinds["metrics"].value == pytest.approx(5e-4, rel=1e-3)
+    cmp = Comparison("run")
+    compare_steps(cmp, _steps(loss=(1, 0.65 * (1 + 5e-4))), STEPS, FP32)
+    assert cmp.first.startswith("loss at step 2")
+
+
 def test_a_value_logged_by_one_side_only_disagrees():
     got = _steps()
     del got[1]["grad_norm"]
