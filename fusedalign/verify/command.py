@@ -39,8 +39,12 @@ def workspace(keep: bool) -> str:
 
 
 def run_verify(argv: list[str]) -> int:
+    from fusedalign.errors import CLIError
     from fusedalign.verify.plan import parse_options, plan
 
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise CLIError("run `fusedalign verify` itself, not under accelerate launch or torchrun: it starts its own "
+                       "processes with the configs given by --backends or --config_file.")
     if argv and argv[0] == "--self_test":
         from fusedalign.verify.selftest import run_self_test
 

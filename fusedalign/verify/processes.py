@@ -75,6 +75,7 @@ def execute(launches: list[Launch], workdir: str, timeout: int | None = None) ->
         for run in launch.runs:
             finished = os.path.isfile(os.path.join(run["dir"], "result.json"))
             errors[run["name"]] = None if finished else (error or "no result written")
-        status = "done" if code == 0 else f"failed (exit {code}): {error}"
-        print(f"[verify]   {status} in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
+        took = f"{time.monotonic() - start:.0f} s"
+        status = f"done in {took}" if code == 0 else f"failed after {took} (exit {code}): {error}"
+        print(f"[verify]   {status}", file=sys.stderr, flush=True)
     return errors

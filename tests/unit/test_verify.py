@@ -131,6 +131,12 @@ def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
     assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
 
 
+def test_verify_started_by_a_launcher_is_refused(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["verify", "sft"]) == 2
+    assert "not under accelerate launch" in capsys.readouterr().err
+
+
 def test_a_gpu_config_without_a_gpu_is_refused(capsys):
     if torch.cuda.is_available():
         pytest.skip("a machine with a GPU runs it")
