@@ -46,7 +46,7 @@ def _select_rows(dataset: Any, rows: int | None) -> Any:
 def run_one(run: dict[str, Any]) -> None:
     from fusedalign.cli.help import dataclass_types
     from fusedalign.cli.parsing import parse
-    from fusedalign.cli.training import _build_trainer, load_splits
+    from fusedalign.cli.training import build_trainer, load_splits
     from fusedalign.distributed import prepare_final_save
     from fusedalign.verify.inject import injected
 
@@ -56,7 +56,7 @@ def run_one(run: dict[str, Any]) -> None:
     train, _ = load_splits(command, script, args)
     train = _select_rows(train, run.get("rows"))
     with injected(run.get("inject")):
-        trainer = _build_trainer(command, script, args, model_args, train, None)
+        trainer = build_trainer(command, script, args, model_args, train, None)
         if run.get("save_initial"):
             trainer.save_model(os.path.join(out_dir, "initial"))
         trainer.train()
