@@ -156,6 +156,9 @@ def checked_config(path: str) -> str:
         raise CLIError(f"--config_file {path}: not valid YAML.") from None
     if "distributed_type" not in config:
         raise CLIError(f"--config_file {path}: not an accelerate config (no distributed_type).")
+    if int(config.get("num_machines") or 1) > 1:
+        raise CLIError(f"--config_file {path}: {config['num_machines']} machines; verify launches on this machine "
+                       "only: check one node's config (set num_machines: 1).")
     if not config.get("use_cpu") and not _cuda():
         twin = cpu_config_for(path)
         raise CLIError(f"--config_file {path} is a GPU config and this machine has no CUDA GPU; "
@@ -184,7 +187,8 @@ def overrides(options: VerifyOptions, args: Any, model_args: Any) -> list[str]:
     out = ["--max_steps", str(options.steps), "--learning_rate", str(options.learning_rate), "--optim", "sgd",
            "--lr_scheduler_type", "constant", "--warmup_steps", "0", "--weight_decay", "0", "--logging_steps", "1",
            "--save_strategy", "no", "--eval_strategy", "no", "--report_to", "none",
-           "--train_sampling_strategy", "sequential", "--disable_dropout", "true"]
+           "--train_sampling_strategy", "sequential", "--disable_dropout", "true",
+           "--load_best_model_at_end", "false", "--push_to_hub", "false"]
     if model_args.use_peft:
         out += ["--lora_dropout", "0"]
     if options.trainer == "grpo":

@@ -51,8 +51,9 @@ def run_one(run: dict[str, Any]) -> None:
     from fusedalign.verify.inject import injected
 
     command, out_dir = run["trainer"], run["dir"]
-    script, args, model_args, _ = parse(command, dataclass_types(command), [*run["argv"], *run["overrides"]],
-                                        announce=False)
+    # The run's own directory, never the user's --output_dir (the trainer writes metrics.jsonl there).
+    argv = [*run["argv"], *run["overrides"], "--output_dir", out_dir]
+    script, args, model_args, _ = parse(command, dataclass_types(command), argv, announce=False)
     train, _ = load_splits(command, script, args)
     train = _select_rows(train, run.get("rows"))
     with injected(run.get("inject")):

@@ -14,7 +14,6 @@ import pytest
 
 from fusedalign.verify.command import run_plan
 from fusedalign.verify.plan import BACKENDS, backend_config, merged, parse_options, plan
-from tests.distributed.parity import ROOT
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -29,7 +28,9 @@ TRAINERS = {
 
 
 def test_every_trainer_agrees_on_every_backend(tmp_path):
-    plans = [plan(parse_options([trainer, *argv, "--backends", *BACKENDS, "--verify_steps", "2"]), f"{trainer}_")
+    user_outputs = tmp_path / "users_output_dir"
+    plans = [plan(parse_options([trainer, *argv, "--backends", *BACKENDS, "--verify_steps", "2",
+                                 "--output_dir", str(user_outputs / trainer)]), f"{trainer}_")
              for trainer, argv in TRAINERS.items()]
     launches = merged(plans)
     assert [launch.config for launch in launches] == [None, *(backend_config(b) for b in BACKENDS)]
@@ -39,6 +40,7 @@ def test_every_trainer_agrees_on_every_backend(tmp_path):
     for run, cmp in results:
         assert cmp.agrees, (run["name"], cmp.crashed, cmp.first)
         assert "keyed_sampling" in " ".join(run["overrides"]) or run["trainer"] != "grpo"
+    assert not user_outputs.exists()  # every run wrote in its own directory only
     # Not vacuous: the runs checked their backend (check_run), and the oracles trained.
     for trainer in TRAINERS:
         from fusedalign.verify.compare import load_weights
@@ -48,9 +50,11 @@ def test_every_trainer_agrees_on_every_backend(tmp_path):
         assert any(not (final[k] - initial[k]).abs().max() < 1e-4 for k in final), f"{trainer}: weights did not move"
 
 
-def test_self_test_catches_every_injection():
-    proc = subprocess.run([sys.executable, "-m", "fusedalign", "verify", "--self_test"], cwd=str(ROOT),
+def test_self_test_catches_every_injection(tmp_path):
+    # Run where a default --output_dir (outputs/sft) would land: verify must write nothing there.
+    proc = subprocess.run([sys.executable, "-m", "fusedalign", "verify", "--self_test"], cwd=str(tmp_path),
                           capture_output=True, text=True, timeout=1200)
+    assert not any(tmp_path.iterdir()), sorted(tmp_path.iterdir())
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "injection" not in line]
     assert [row.split(" | ")[0][2:] for row in rows] == ["head_by_attribute", "per_micro_batch", "softcap_dropped",

@@ -131,6 +131,13 @@ def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
     assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
 
 
+def test_a_multi_node_config_is_refused(tmp_path):
+    config = tmp_path / "nodes.yaml"
+    config.write_text("distributed_type: MULTI_GPU\nnum_machines: 2\nnum_processes: 16\nuse_cpu: true\n")
+    with pytest.raises(CLIError, match="2 machines; verify launches on this machine only"):
+        parse_options(["dpo", "--config_file", str(config)])
+
+
 def test_verify_started_by_a_launcher_is_refused(monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert main(["verify", "sft"]) == 2
