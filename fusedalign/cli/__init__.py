@@ -1,4 +1,4 @@
-"""`fusedalign sft|dpo|kto|grpo|plot|merge|consolidate ...`: the command line.
+"""`fusedalign sft|dpo|kto|grpo|plot|merge|consolidate|verify ...`: the command line.
 
 Each training command parses its dataclasses (`parsing.py`: HfArgumentParser, plus
 `--config file.yaml` whose values act as defaults under the flags), checks the output
@@ -32,6 +32,8 @@ commands:
   merge        merge a LoRA adapter into its base model: fusedalign merge ADAPTER_DIR OUTPUT_DIR
   consolidate  make a sharded (FSDP2) checkpoint loadable with from_pretrained:
                fusedalign consolidate CHECKPOINT_DIR [OUTPUT_DIR]
+  verify       check your setup: fused = unfused and N processes = 1, on your model and data:
+               fusedalign verify dpo [dpo's flags] --backends ddp zero3  (--self_test: it catches known bugs)
 
 `fusedalign <command> --help` lists a command's own flags, `--help-all` every flag.
 With no --model_name_or_path, a training command runs the embedded demo
@@ -80,7 +82,7 @@ def _tool(name: str) -> Callable[[list[str]], int]:
 
 COMMANDS: dict[str, Callable[[list[str]], int]] = {
     **{name: _training(name) for name in TRAINING_COMMANDS},
-    **{name: _tool(name) for name in ("plot", "merge", "consolidate")},
+    **{name: _tool(name) for name in ("plot", "merge", "consolidate", "verify")},
 }
 
 

@@ -78,7 +78,8 @@ def load_splits(command: str, script: Any, args: Any) -> tuple[Any, Any]:
     return loaded[0], (loaded[1] if len(loaded) > 1 else None)
 
 
-def _build_trainer(command: str, script: Any, args: Any, model_args: Any, train: Any, evaluate: Any) -> Any:
+def build_trainer(command: str, script: Any, args: Any, model_args: Any, train: Any, evaluate: Any) -> Any:
+    """The trainer `fusedalign COMMAND` trains, from its parsed flags (also what `fusedalign verify` runs)."""
     from fusedalign.data.builtin import located_error
     from fusedalign.data.formats import DataError
 
@@ -143,7 +144,7 @@ def _run(command: str, argv: list[str], guard: InterruptGuard, run: dict[str, An
     # aside only once the new one is ready to write.
     move_aside = check_output_dir(args.output_dir, resume=resume, overwrite=run_args.overwrite_output_dir)
     train, evaluate = load_splits(command, script, args)
-    trainer = _build_trainer(command, script, args, model_args, train, evaluate)
+    trainer = build_trainer(command, script, args, model_args, train, evaluate)
     if move_aside:
         move_old_run_aside(args)
     elif resume is not None:
