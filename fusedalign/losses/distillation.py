@@ -3,7 +3,8 @@
 Paper: On-Policy Distillation of Language Models: Learning from Self-Generated Mistakes
 (Agarwal et al., 2023), https://huggingface.co/papers/2306.13649 — the generalised JSD of GKD.
 
-Formula (TRL 1.16's `DistillationTrainer`, read 2026-12-04; D from `ops/divergence.py`):
+Formula (TRL's `DistillationTrainer` and `DistillationConfig` at huggingface/trl 02061a9 / 07d63cd,
+read 2026-12-04; beta defaults to 1, temperature to 1; D from `ops/divergence.py`):
 
     p = softmax(z_student / T),  q = softmax(z_teacher / T)      (after each model's softcap / scale)
     D_t = KL(q || p)                               beta = 0   (forward KL)

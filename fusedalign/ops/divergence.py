@@ -5,8 +5,8 @@ distribution is from the teacher's. Both distributions come from an output head 
 whole vocabulary, so the unfused computation holds two N x V logits tensors (and their
 softmaxes); this op holds one block of rows x columns of each at a time.
 
-Definitions (TRL 1.16's `DistillationTrainer`, read 2026-12-04), per scored token i, with
-each model's own post-processing (a = logit_scale * (h W^T + b [+ s down up^T]),
+Definitions (TRL's `DistillationTrainer`, trl/trainer/distillation_trainer.py at huggingface/trl
+02061a9, read 2026-12-04), per scored token i, with each model's own post-processing (a = logit_scale * (h W^T + b [+ s down up^T]),
 z = softcap * tanh(a / softcap)) and its temperature y = z / T:
 
     s = log_softmax(y_student),  t = log_softmax(y_teacher),  p = exp(s),  q = exp(t)

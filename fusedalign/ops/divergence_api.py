@@ -102,7 +102,9 @@ def divergence_head(
         low_rank: a LoRA adapter on the student's head (`ops.LowRank`), or None.
         chunk_size: tokens per chunk (overrides the budget).
         vocab_chunk_size: vocabulary columns per block; fewer than Vt makes the forward two passes.
-        memory_budget_bytes: bytes of one fp32 [rows, columns] block (defaults as `head_logprobs`).
+        memory_budget_bytes: bytes of one fp32 [rows, columns] block (defaults as `head_logprobs`); peak
+            working memory is several such blocks (both models' logits, log-probs and probabilities, the
+            mixture's log: about eight), never a tensor of N x V.
         backend: "torch" (chunked) or "reference" (unfused: full logits, autograd).
 
     Returns:

@@ -6,8 +6,8 @@ generalised JSD (beta 0.5, temperature 0.1: sharp enough for the weights to move
 the same global batch of 4 rows: one process unfused (both models' full logits, TRL's formula)
 against 2 ranks x 2 rows with the fused heads, per step loss and entropy, and final weights.
 Under ZeRO-3 the teacher is a DeepSpeed inference engine holding 1/2 of each parameter; under
-FSDP2 it is sharded per layer and root like the student. With LoRA on the student's head the
-adapter trains the same.
+FSDP2 it is sharded per layer and root like the student; under DDP and ZeRO-2 each rank holds a
+whole copy. Under ZeRO-3 and FSDP2, with LoRA on the student's head the adapter trains the same.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ SINGLE = [{**BASE, "name": "plain", "fused": False, "per_device_batch": 4},
 # adds nothing, to one process fused at the usual 1e-6.
 LORA_ATOL = 1e-5
 SCENARIOS = {
+    "ddp": [{**BASE, "name": "plain", "fused": True, "per_device_batch": 2}],
+    "zero2": [{**BASE, "name": "plain", "fused": True, "per_device_batch": 2}],
     "zero3": [{**BASE, "name": "plain", "fused": True, "per_device_batch": 2},
               {**BASE, "name": "lora", "fused": True, "per_device_batch": 2, "lora_head": True}],
     "fsdp2": [{**BASE, "name": "plain", "fused": True, "per_device_batch": 2, "shard_teacher": True},
@@ -64,18 +66,19 @@ def single(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("backend", ["zero3", "fsdp2"])
+@pytest.mark.parametrize("backend", ["ddp", "zero2", "zero3", "fsdp2"])
 def test_fused_both_heads_under_the_backend_equal_one_process_unfused(backend, single, tmp_path):
     out = tmp_path / backend
     _launch(SCENARIOS[backend], out, backend)
-    for name in ("plain", "lora"):
+    for name in [spec["name"] for spec in SCENARIOS[backend]]:
         got = json.loads((out / name / "result.json").read_text())
         want = json.loads((single / name / "result.json").read_text())
         dist_type, wrapper = EXPECTED_WRAPPER[backend]
         assert got["world_size"] == 2 and got["distributed_type"] == dist_type, got
         if wrapper:
             assert got["wrapper"] == wrapper, got
-        assert got["teacher_partitioned"], got  # the teacher's head really was split over the ranks
+        # Where the backend splits a frozen model, the teacher's head really was split over the ranks.
+        assert got["teacher_partitioned"] == (backend in ("zero3", "fsdp2")), got
         assert len(got["losses"]) == 3 and want["losses"][0] > 0.1  # a divergence worth training on
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=RTOL, atol=1e-7)
         torch.testing.assert_close(torch.tensor(got["entropy"]), torch.tensor(want["entropy"]), rtol=RTOL, atol=1e-6)
