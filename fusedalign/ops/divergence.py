@@ -129,9 +129,13 @@ def _block(hs, ws, bs, down, up, ht, wt, bt, cols: slice, opts: DivergenceOption
 
 
 def _terms(block: _Block, lse_s: Tensor, lse_t: Tensor, beta: float):
-    """Per-row sums over one block: (D, E_p[g], student entropy) [n] each, and the [n, c] pieces the gradient uses."""
-    s = block.ys - lse_s[:, None]
-    t = block.yt - lse_t[:, None]
+    """Per-row sums over one block: (D, E_p[g], student entropy) [n] each, and the [n, c] pieces the gradient uses.
+
+    lse_s, lse_t: [n, 2] each model's logsumexp as (row max, log sum exp(y - max)): subtracting the
+    max first, as log_softmax does, keeps the log-probs' rounding at the scale of log V, not of |y|.
+    """
+    s = (block.ys - lse_s[:, :1]) - lse_s[:, 1:]
+    t = (block.yt - lse_t[:, :1]) - lse_t[:, 1:]
     p, q = s.exp(), t.exp()
     live = p > 0  # 0 * (-inf) terms are 0: the student's columns beyond its vocabulary
     p_s = torch.where(live, p * s, 0.0)
@@ -161,8 +165,14 @@ def _col_blocks(v: int, cols: int) -> list[slice]:
     return [slice(c, min(c + cols, v)) for c in range(0, v, cols)]
 
 
+def _max_and_log_sum(y: Tensor) -> Tensor:
+    """[n, 2]: (max_j y_j, log sum_j exp(y_j - max)) of a block holding whole rows."""
+    m = y.amax(1)
+    return torch.stack([m, (y - m[:, None]).exp().sum(1).log()], 1)
+
+
 def _logsumexps(hs, ws, bs, down, up, ht, wt, bt, opts, cdt, blocks):
-    """Online logsumexp of both models over the vocabulary blocks: ([n], [n])."""
+    """Online logsumexp of both models over the vocabulary blocks: ([n, 2], [n, 2]) as `_max_and_log_sum`."""
     n = hs.shape[0]
     m = [hs.new_full((n,), -math.inf, dtype=cdt) for _ in range(2)]
     acc = [hs.new_zeros((n,), dtype=cdt) for _ in range(2)]
@@ -173,20 +183,20 @@ def _logsumexps(hs, ws, bs, down, up, ht, wt, bt, opts, cdt, blocks):
             # exp(-inf - -inf) would be NaN: a row whose running max is still -inf has acc 0.
             acc[k] = acc[k] * torch.where(torch.isinf(m[k]), 0.0, (m[k] - new_m).exp()) + (y - new_m[:, None]).exp().sum(1)
             m[k] = new_m
-    return m[0] + acc[0].log(), m[1] + acc[1].log()
+    return torch.stack([m[0], acc[0].log()], 1), torch.stack([m[1], acc[1].log()], 1)
 
 
 def _forward(hs, ws, bs, down, up, ht, wt, bt, opts: DivergenceOptions):
-    """(D, E_p[g], entropy, lse_s, lse_t), [N] each, in the compute dtype."""
+    """(D, E_p[g], entropy [N] each, lse_s, lse_t [N, 2] each), in the compute dtype."""
     n, cdt = hs.shape[0], compute_dtype(hs.dtype)
-    out = [hs.new_zeros((n,), dtype=cdt) for _ in range(5)]
+    out = [hs.new_zeros((n,), dtype=cdt) for _ in range(3)] + [hs.new_zeros((n, 2), dtype=cdt) for _ in range(2)]
     blocks = _col_blocks(wt.shape[0], opts.chunk_cols)
     for start in range(0, n, opts.chunk_rows):
         r = slice(start, start + opts.chunk_rows)
         args = (hs[r], ws, bs, None if down is None else down[r], up, ht[r], wt, bt)
         if len(blocks) == 1:  # one pass: the block's logits serve the logsumexps and the terms
             blk = _block(*args, blocks[0], opts, cdt)
-            lse_s, lse_t = torch.logsumexp(blk.ys, 1), torch.logsumexp(blk.yt, 1)
+            lse_s, lse_t = _max_and_log_sum(blk.ys), _max_and_log_sum(blk.yt)
             parts = [_terms(blk, lse_s, lse_t, opts.beta)]
         else:
             lse_s, lse_t = _logsumexps(*args, opts, cdt, blocks)

@@ -167,8 +167,8 @@ def test_no_scored_token_gives_zeros_and_a_connected_graph():
 
 def test_float32_error_no_worse_than_unfused_float32():
     """Cut Cross-Entropy's criterion: against a float64 truth, the fused float32 error is within a small
-    factor of the unfused float32 error, plus a few float32 roundings of the largest value (the op sums over
-    the vocabulary in another order, and its gradient's p (g - E_p[g]) cancels where autograd's does not)."""
+    factor of the unfused float32 error (the op sums over the vocabulary in another order, and forms its
+    gradient as p (g - E_p[g]) where autograd chains log_softmax's backward)."""
     t64, labels = _inputs(n=40, v=300, scale=8.0)
 
     def as32():
@@ -181,9 +181,9 @@ def test_float32_error_no_worse_than_unfused_float32():
     naive, naive_grads = _run(as32(), labels, beta=0.5, backend="reference")
     assert got.divergence.dtype == torch.float32
     err = lambda a, b: float((a.detach().double() - b.detach()).abs().max())  # noqa: E731
-    assert err(got.divergence, truth.divergence) <= 8 * err(naive.divergence, truth.divergence) + 1e-6
+    assert err(got.divergence, truth.divergence) <= 2 * err(naive.divergence, truth.divergence) + 1e-8
     for g, n, w in zip(got_grads, naive_grads, truth_grads):
-        assert err(g, w) <= 8 * err(n, w) + 1e-6 * float(w.abs().max()), (err(g, w), err(n, w))
+        assert err(g, w) <= 3 * err(n, w) + 1e-8 * float(w.abs().max()), (err(g, w), err(n, w))
 
 
 @pytest.mark.parametrize("vocab_chunk_size", [None, 1000])
