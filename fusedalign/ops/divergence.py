@@ -6,8 +6,9 @@ whole vocabulary, so the unfused computation holds two N x V logits tensors (and
 softmaxes); this op holds one block of rows x columns of each at a time.
 
 Definitions (TRL's `DistillationTrainer`, trl/trainer/distillation_trainer.py at huggingface/trl
-02061a9, read 2026-12-04), per scored token i, with each model's own post-processing (a = logit_scale * (h W^T + b [+ s down up^T]),
-z = softcap * tanh(a / softcap)) and its temperature y = z / T:
+02061a9, read 2026-12-04), per scored token i, with each model's own post-processing
+(a = logit_scale * (h W^T + b [+ s down up^T]), z = softcap * tanh(a / softcap)) and its
+temperature y = z / T:
 
     s = log_softmax(y_student),  t = log_softmax(y_teacher),  p = exp(s),  q = exp(t)
     beta = 0:  D = KL(q || p) = sum_j q_j (t_j - s_j)                        (forward KL)
@@ -181,7 +182,8 @@ def _logsumexps(hs, ws, bs, down, up, ht, wt, bt, opts, cdt, blocks):
         for k, y in enumerate((blk.ys, blk.yt)):
             new_m = torch.maximum(m[k], y.amax(1))
             # exp(-inf - -inf) would be NaN: a row whose running max is still -inf has acc 0.
-            acc[k] = acc[k] * torch.where(torch.isinf(m[k]), 0.0, (m[k] - new_m).exp()) + (y - new_m[:, None]).exp().sum(1)
+            rescale = torch.where(torch.isinf(m[k]), 0.0, (m[k] - new_m).exp())
+            acc[k] = acc[k] * rescale + (y - new_m[:, None]).exp().sum(1)
             m[k] = new_m
     return torch.stack([m[0], acc[0].log()], 1), torch.stack([m[1], acc[1].log()], 1)
 

@@ -119,6 +119,9 @@ def divergence_head(
     teacher_hidden, teacher_weight, teacher_bias, _ = _apply_autocast(teacher_hidden, teacher_weight, teacher_bias,
                                                                       None)
     _check_tensors(hidden, weight, labels.new_zeros(labels.shape), bias, low_rank)
+    if not isinstance(teacher_hidden, Tensor) or teacher_hidden.dim() != 2 or teacher_hidden.shape[0] != hidden.shape[0]:
+        shape = tuple(teacher_hidden.shape) if isinstance(teacher_hidden, Tensor) else type(teacher_hidden).__name__
+        raise ValueError(f"teacher_hidden must be [N, Ht] with the student's N = {hidden.shape[0]} tokens; got {shape}")
     _check_tensors(teacher_hidden, teacher_weight, labels.new_zeros(labels.shape), teacher_bias, None)
     beta = _finite("beta", beta)
     if not 0.0 <= beta <= 1.0:
@@ -131,8 +134,8 @@ def divergence_head(
         )
     if vt > vs and beta == 0.0:
         raise ValueError(
-            f"the teacher's vocabulary ({vt}) is larger than the student's ({vs}) and beta=0 (forward KL): the teacher's "
-            "mass on the extra tokens, which the student can never produce, makes KL(teacher || student) infinite; "
+            f"the teacher's vocabulary ({vt}) is larger than the student's ({vs}) and beta=0 (forward KL): "
+            "the teacher's mass on the extra tokens, which the student can never produce, makes KL(teacher || student) infinite; "
             "use beta > 0, or a teacher whose head has the student's vocabulary"
         )
     if backend not in ("torch", "reference"):
@@ -145,8 +148,8 @@ def divergence_head(
             low_rank = low_rank._replace(down=low_rank.down.index_select(0, rows))
     else:
         rows = None
-    student = HeadSpec(_positive("temperature", temperature), None if softcap is None else _positive("softcap", softcap),
-                       _finite("logit_scale", logit_scale))
+    student = HeadSpec(_positive("temperature", temperature),
+                       None if softcap is None else _positive("softcap", softcap), _finite("logit_scale", logit_scale))
     teacher = HeadSpec(_positive("teacher_temperature", teacher_temperature),
                        None if teacher_softcap is None else _positive("teacher_softcap", teacher_softcap),
                        _finite("teacher_logit_scale", teacher_logit_scale))

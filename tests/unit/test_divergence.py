@@ -84,7 +84,8 @@ def test_values_and_gradients_match_unfused_float64(beta, case, chunks, lora):
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 def test_reference_is_trls_formula(beta, temperature):
     g = torch.Generator().manual_seed(3)
-    zs, zt = torch.randn(9, 41, generator=g, dtype=torch.float64), 3 * torch.randn(9, 41, generator=g, dtype=torch.float64)
+    zs = torch.randn(9, 41, generator=g, dtype=torch.float64)
+    zt = 3 * torch.randn(9, 41, generator=g, dtype=torch.float64)
     d, entropy = generalised_jsd(zs, zt, beta, temperature=temperature)
     torch.testing.assert_close(d, trl_jsd(zs, zt, beta, temperature), rtol=1e-12, atol=1e-14)
     s = F.log_softmax(zs / temperature, -1)
@@ -143,6 +144,9 @@ def test_vocabularies_that_cannot_be_compared_are_refused():
     t, labels = _inputs()
     with pytest.raises(ValueError, match=r"beta must be in \[0, 1\]"):
         _run(t, labels, beta=1.5)
+    t["teacher_hidden"] = t["teacher_hidden"][:-1]
+    with pytest.raises(ValueError, match=r"teacher_hidden must be \[N, Ht\] with the student's N = 13 tokens"):
+        _run(t, labels, beta=0.5)
 
 
 def test_the_teacher_gets_no_gradient():
