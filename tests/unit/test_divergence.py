@@ -211,3 +211,43 @@ def test_no_tensor_of_half_the_logits_is_alive(vocab_chunk_size):
         divergence_head(t["hidden"], t["weight"], labels, t["teacher_hidden"], t["teacher_weight"], beta=0.5,
                         backend="reference")
     assert ref.max_numel >= scored_nv
+
+
+def _bf16_errors(device: str, n: int, h: int, ht: int, v: int, beta: float):
+    """Largest errors against a float64 truth of (fused bf16, unfused bf16): values and student gradients."""
+    g = torch.Generator().manual_seed(11)
+    truth = dict(hidden=torch.randn(n, h, generator=g, dtype=torch.float64),
+                 weight=2 * torch.randn(v, h, generator=g, dtype=torch.float64) / math.sqrt(h),
+                 teacher_hidden=torch.randn(n, ht, generator=g, dtype=torch.float64),
+                 teacher_weight=3 * torch.randn(v, ht, generator=g, dtype=torch.float64) / math.sqrt(ht))
+    labels = torch.randint(0, v, (n,), generator=g).to(device)
+    labels[::7] = -100
+
+    def run(dtype, backend):
+        t = {k: x.detach().to(device=device, dtype=dtype).requires_grad_(k in ("hidden", "weight"))
+             for k, x in truth.items()}
+        out = divergence_head(t["hidden"], t["weight"], labels, t["teacher_hidden"], t["teacher_weight"], beta=beta,
+                              backend=backend)
+        out.divergence.sum().backward()
+        return [out.divergence.double(), t["hidden"].grad.double(), t["weight"].grad.double()]
+
+    want = run(torch.float64, "reference")
+    err = lambda got: [float((a - b).detach().abs().max()) for a, b in zip(got, want)]  # noqa: E731
+    return err(run(torch.bfloat16, "torch")), err(run(torch.bfloat16, "reference"))
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_bfloat16_error_no_worse_than_unfused_bfloat16(beta):
+    fused, unfused = _bf16_errors("cpu", n=96, h=32, ht=48, v=2000, beta=beta)
+    for got, naive in zip(fused, unfused):
+        assert got <= 2 * naive + 1e-6, (fused, unfused)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("beta", [0.5, 1.0])
+def test_cuda_bfloat16_qwen_shapes_no_worse_than_unfused(beta):
+    """A Qwen2.5-0.5B-shaped student head (H 896) against a 1.5B-shaped teacher head (H 1536), V 151,936."""
+    fused, unfused = _bf16_errors("cuda", n=1024, h=896, ht=1536, v=151936, beta=beta)
+    for got, naive in zip(fused, unfused):
+        assert got <= 2 * naive + 1e-6, (fused, unfused)
