@@ -11,6 +11,7 @@ from .dpo import DPO_LOSSES, DPOLossOutput, check_dpo_args, dpo_losses, pair_los
 from .dpo_batch import dpo_batch_loss, pair_loss_gradient, valid_pairs
 from .dpo_metrics import DPOMetrics, RewardMean, RunningRewardMean, bco_reward_mean, dpo_metrics
 from .dpo_types import DPOOptions, PairLogps
+from .distillation import DistillationMetrics, distillation_batch_loss, distillation_loss
 from .grpo import (
     GRPO_POLICY_TERMS,
     GRPOLossOutput,
@@ -34,6 +35,8 @@ __all__ = [
     "check_dpo_args", "check_kto_args", "dpo_batch_loss", "dpo_losses", "dpo_metrics", "kl_estimate",
     "kl_from_sums", "kl_sums", "kto_batch_loss", "kto_losses", "kto_metrics", "pair_loss_gradient", "pair_losses",
     "pairwise_dpo_losses", "sft_batch_loss", "sft_loss", "sft_metrics", "valid_pairs",
+    # distillation
+    "DistillationMetrics", "distillation_batch_loss", "distillation_loss",
     # GRPO
     "Advantages", "GRPOLossMetrics", "GRPOLossOutput", "GRPOOptions", "GRPO_LOSS_TYPES", "GRPO_POLICY_TERMS",
     "RewardMetrics", "count_items", "entropy_threshold", "entropy_weight", "group_advantages", "grpo_loss",
