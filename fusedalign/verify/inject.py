@@ -67,13 +67,13 @@ def _head_by_attribute() -> contextlib.AbstractContextManager:
 
 
 def _per_micro_batch() -> contextlib.AbstractContextManager:
-    from fusedalign.trainers.base import PREPARED, FusedAlignTrainer
+    from fusedalign.trainers.base import FusedAlignTrainer, is_prepared
 
     compute_loss = FusedAlignTrainer.compute_loss
 
-    def per_micro_batch(self: Any, model: Any, inputs: dict, return_outputs: bool = False,
+    def per_micro_batch(self: Any, model: Any, inputs: Any, return_outputs: bool = False,
                         num_items_in_batch: Any = None) -> Any:
-        if num_items_in_batch is not None and inputs.get(PREPARED):
+        if num_items_in_batch is not None and is_prepared(inputs):
             local = torch.as_tensor(self.count_items(inputs), device=num_items_in_batch.device).float()
             num_items_in_batch = local * self.accelerator.num_processes
         return compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
