@@ -113,7 +113,12 @@ def load_model(name_or_path: str | os.PathLike, *, dtype: Any = None, **kwargs: 
     if dtype is not None:
         kwargs["dtype"] = dtype
     path = resolve_model_path(name_or_path)
-    return AutoModelForCausalLM.from_pretrained(path, **_hub_kwargs(path, kwargs))
+    model = AutoModelForCausalLM.from_pretrained(path, **_hub_kwargs(path, kwargs))
+    if os.fspath(name_or_path).startswith(BUILTIN_PREFIX):
+        # What a LoRA adapter records as its base, and what the tokenizer is loaded from:
+        # the name a user can pass again, not a path into the installed package.
+        model.name_or_path = model.config.name_or_path = os.fspath(name_or_path)
+    return model
 
 
 def _hub_kwargs(path: str, kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from fusedalign.cli.commands import TRAINING_COMMANDS
 from fusedalign.cli.demo import DEMO_DEFAULTS
 from fusedalign.errors import CLIError, LaunchError, one_line
 
-USAGE = """usage: fusedalign <command> [flags]
+USAGE = """usage: fusedalign <command> [flags]   (fusedalign --version: the versions in use)
 
 commands:
   dpo          Direct Preference Optimization on preference data
@@ -98,12 +98,31 @@ def _exit_code(code: int) -> int:
     return code
 
 
+def version_line() -> str:
+    """`fusedalign --version`: ours and the versions that decide what a run does (no torch import)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from fusedalign import __version__
+
+    def of(dist: str) -> str:
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            return "not installed"
+
+    deps = ", ".join(f"{dist} {of(dist)}" for dist in ("torch", "transformers", "accelerate", "peft", "deepspeed"))
+    return f"fusedalign {__version__} ({deps}; python {sys.version.split()[0]})"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0
     command, rest = argv[0], argv[1:]
+    if command in ("--version", "-V", "version"):
+        print(version_line())
+        return 0
     if command not in COMMANDS:
         close = difflib.get_close_matches(command, COMMANDS, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""

@@ -28,9 +28,16 @@ def peft_config_from(model_args: Any) -> Any:
         return None
     from peft import LoraConfig
 
+    targets = model_args.lora_target_modules or ["all-linear"]
+    if "all-linear" in targets:
+        # PEFT's shorthand is a string, not a module name: a list holding it matches nothing.
+        if len(targets) > 1:
+            raise CLIError(f"--lora_target_modules {' '.join(targets)}: all-linear already names every linear "
+                           "layer but lm_head; give it alone, or list the modules (add lm_head to adapt the head).")
+        targets = "all-linear"
     return LoraConfig(
         task_type="CAUSAL_LM", r=model_args.lora_r, lora_alpha=model_args.lora_alpha,
-        lora_dropout=model_args.lora_dropout, target_modules=model_args.lora_target_modules or "all-linear",
+        lora_dropout=model_args.lora_dropout, target_modules=targets,
         modules_to_save=model_args.lora_modules_to_save,
     )
 
