@@ -98,6 +98,14 @@ def _exit_code(code: int) -> int:
     return code
 
 
+def _fresh_line() -> None:
+    """Closes the progress bars an error interrupted, so that the error starts a line of its own
+    and stays the last one (a bar left open redraws itself when it is collected, after it)."""
+    tqdm = sys.modules.get("tqdm")
+    for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", ())):
+        bar.close()  # ends the bar's line (or clears it)
+
+
 def version_line() -> str:
     """`fusedalign --version`: ours and the versions that decide what a run does (no torch import)."""
     from importlib.metadata import PackageNotFoundError, version
@@ -136,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         return COMMANDS[command](rest) or 0
     except LaunchError as err:  # every rank finds the same: one of them says it
         if _is_main_process():
+            _fresh_line()
             print(f"fusedalign {command}: error: {one_line(err)}", file=sys.stderr)
         return _exit_code(2)
     except (CLIError, *USER_ERRORS) as err:
@@ -143,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         rank = os.environ.get("RANK", "0")
         where = "" if rank == "0" else f" (rank {rank})"
+        _fresh_line()
         print(f"fusedalign {command}{where}: error: {one_line(err)}", file=sys.stderr)
         return _exit_code(2)
 

@@ -16,7 +16,7 @@ from fusedalign.cli.output_dir import (
     move_past_checkpoint_aside,
     resolve_resume,
 )
-from fusedalign.errors import CLIError
+from fusedalign.errors import CLIError, flag_value
 
 
 def _is_main_process() -> bool:
@@ -68,7 +68,7 @@ def load_splits(command: str, script: Any, args: Any) -> tuple[Any, Any]:
         raise CLIError("--dataset_name is required with --model_name_or_path (e.g. builtin:zen or a local file).")
     if args.eval_strategy != "no" and is_single_file(script.dataset_name):
         raise CLIError(
-            f"--eval_strategy {args.eval_strategy}: {script.dataset_name} is a single file, so it has no test split "
+            f"--eval_strategy {flag_value(args.eval_strategy)}: {script.dataset_name} is a single file, so it has no test split "
             "to evaluate on (evaluating on the training file would measure nothing); use --eval_strategy no, or a "
             "directory with train and test files."
         )

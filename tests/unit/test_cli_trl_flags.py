@@ -83,3 +83,29 @@ def test_a_builtin_base_is_recorded_by_name_and_merge_leaves_it_alone(tmp_path, 
     err = capsys.readouterr().err
     assert "merged into a copy of its base model builtin:tiny-qwen2 (which is unchanged)" in err
     assert (merged / "model.safetensors").is_file()
+
+
+def test_an_error_during_a_progress_bar_starts_a_line_of_its_own(monkeypatch, capsys):
+    from tqdm.auto import tqdm
+
+    from fusedalign import cli
+    from fusedalign.errors import CLIError
+
+    def fails_mid_bar(argv):
+        bar = tqdm(total=10, file=sys.stderr)
+        bar.update(3)
+        raise CLIError("row 3: bad")
+
+    monkeypatch.setitem(cli.COMMANDS, "dpo", fails_mid_bar)
+    assert main(["dpo"]) == 2
+    err = capsys.readouterr().err
+    assert "\nfusedalign dpo: error: row 3: bad" in err and err.rstrip().endswith("row 3: bad"), repr(err)
+
+
+def test_an_enum_valued_flag_is_named_as_typed(tmp_path, capsys):
+    data = tmp_path / "mine.jsonl"
+    data.write_text(json.dumps({"prompt": "p", "chosen": " a.", "rejected": " b."}) + "\n")
+    assert main(["dpo", "--model_name_or_path", "builtin:tiny-qwen2", "--dataset_name", str(data),
+                 "--eval_strategy", "steps", "--output_dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "--eval_strategy steps: " in err and "IntervalStrategy" not in err, err
