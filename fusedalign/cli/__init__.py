@@ -32,14 +32,17 @@ commands:
   merge        merge a LoRA adapter into its base model: fusedalign merge ADAPTER_DIR OUTPUT_DIR
   consolidate  make a sharded (FSDP2) checkpoint loadable with from_pretrained:
                fusedalign consolidate CHECKPOINT_DIR [OUTPUT_DIR]
+  launch       check flags, data and model once, then run accelerate launch:
+               fusedalign launch --config_file CONFIG [accelerate options] dpo [flags]
 
 `fusedalign <command> --help` lists a command's own flags, `--help-all` every flag.
 With no --model_name_or_path, a training command runs the embedded demo
 (builtin:tiny-qwen2 on builtin:zen); any flag you give overrides the demo's settings.
 
 Distributed (2 processes):
-  with GPUs:    accelerate launch --config_file configs/accelerate/zero3.yaml -m fusedalign dpo ...
-  without GPUs: accelerate launch --config_file configs/accelerate/cpu/zero3.yaml -m fusedalign dpo ...
+  with GPUs:    fusedalign launch --config_file configs/accelerate/zero3.yaml dpo ...
+  without GPUs: fusedalign launch --config_file configs/accelerate/cpu/zero3.yaml dpo ...
+  (or accelerate launch --config_file ... -m fusedalign dpo ..., without the checks first)
 (ddp, zero2, zero3, fsdp2; never add --cpu: accelerate would start one plain process)
 """
 
@@ -78,14 +81,26 @@ def _tool(name: str) -> Callable[[list[str]], int]:
     return run
 
 
+def _launch(argv: list[str]) -> int:
+    from fusedalign.cli.launcher import run_launch
+
+    return run_launch(argv)
+
+
 COMMANDS: dict[str, Callable[[list[str]], int]] = {
     **{name: _training(name) for name in TRAINING_COMMANDS},
     **{name: _tool(name) for name in ("plot", "merge", "consolidate")},
+    "launch": _launch,
 }
 
 
 def _is_main_process() -> bool:
     return os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0"
+
+
+def _training_started() -> bool:
+    training = sys.modules.get("fusedalign.cli.training")
+    return bool(training is not None and training.STATE["training"])
 
 
 def _exit_code(code: int) -> int:
@@ -151,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("FUSEDALIGN_TRACEBACK"):
             raise
         rank = os.environ.get("RANK", "0")
+        if rank != "0" and not _training_started():
+            # Before training every rank checks the same flags, data and model: rank 0 says it.
+            return _exit_code(2)
         where = "" if rank == "0" else f" (rank {rank})"
         _fresh_line()
         print(f"fusedalign {command}{where}: error: {one_line(err)}", file=sys.stderr)

@@ -19,6 +19,11 @@ from fusedalign.cli.output_dir import (
 from fusedalign.errors import CLIError, flag_value
 
 
+# Whether this process got past the checks into training: an error before it is the same on
+# every rank, so only rank 0 reports it (fusedalign.cli.main).
+STATE = {"training": False}
+
+
 def _is_main_process() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
@@ -155,7 +160,7 @@ def _run(command: str, argv: list[str], guard: InterruptGuard, run: dict[str, An
         move_old_run_aside(args)
     elif resume is not None:
         move_past_checkpoint_aside(args, resume)
-    run["training"] = True
+    run["training"] = STATE["training"] = True
     _train_and_save(trainer, args, resume, guard)
     teardown_distributed()
     return 0
