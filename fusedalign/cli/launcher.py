@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 from typing import Any, Callable
@@ -117,9 +118,17 @@ def run_launch(argv: list[str]) -> int:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "FUSEDALIGN_LAUNCHED": "1"}
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, env=env)
     output = HeldOutput(lambda text: (sys.stderr.write(text), sys.stderr.flush()))
-    while chunk := os.read(proc.stderr.fileno(), 65536):
-        output.feed(chunk.decode(errors="replace"))
-    code = proc.wait()
+    # Ctrl-C reaches the training processes from the terminal, which stop between checkpoints and
+    # say how to resume; this process waits for them. SIGTERM sent to it alone is passed on.
+    previous = {signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN),
+                signal.SIGTERM: signal.signal(signal.SIGTERM, lambda signum, _: proc.send_signal(signum))}
+    try:
+        while chunk := os.read(proc.stderr.fileno(), 65536):
+            output.feed(chunk.decode(errors="replace"))
+        code = proc.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     last = output.finish(failed=code != 0)
     if last is not None:
         print(last, file=sys.stderr)

@@ -138,3 +138,16 @@ def test_other_ranks_stay_quiet_about_an_error_found_before_training(monkeypatch
     monkeypatch.setenv("RANK", "0")
     assert main(["dpo", "--beta", "0", "--output_dir", str(tmp_path / "run")]) == 2
     assert "beta must be > 0" in capsys.readouterr().err
+
+
+def test_the_resume_command_of_a_run_started_by_fusedalign_launch_says_fusedalign_launch(monkeypatch):
+    from fusedalign import launch
+    from fusedalign.cli.training import resume_command
+
+    parent = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "c.yaml", "-m", "fusedalign", "dpo"]
+    monkeypatch.setattr(launch, "parent_argv", lambda: parent)
+    monkeypatch.setenv("FUSEDALIGN_LAUNCHED", "1")
+    assert resume_command("dpo", ["--save_steps", "5"]) == \
+        "fusedalign launch --config_file c.yaml dpo --save_steps 5 --resume_from_checkpoint last"
+    monkeypatch.delenv("FUSEDALIGN_LAUNCHED")
+    assert resume_command("dpo", []).startswith("accelerate launch --config_file c.yaml -m fusedalign dpo")
