@@ -126,6 +126,7 @@ def run_training(command: str, argv: list[str]) -> int:
     """`fusedalign dpo|kto|sft|grpo`: returns the exit code (128 + signal number when interrupted)."""
     from fusedalign.launch import check_launch
 
+    STATE["training"] = False
     check_launch()
     guard = InterruptGuard()
     guard.install()
