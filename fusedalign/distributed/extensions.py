@@ -36,10 +36,13 @@ BUILT_LINE = "DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfu
 
 
 def build_directory() -> Path:
-    """Where torch's JIT keeps the extension (torch.utils.cpp_extension's layout)."""
+    """Where torch's JIT keeps the extension (torch.utils.cpp_extension's layout): directly under
+    `$TORCH_EXTENSIONS_DIR` when it is set, else under the default root's py<version>_<flavour>."""
     import torch
     from torch.utils.cpp_extension import get_default_build_root
 
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(os.environ["TORCH_EXTENSIONS_DIR"]) / NAME
     flavour = "cpu" if torch.version.cuda is None else f"cu{torch.version.cuda.replace('.', '')}"
     return Path(get_default_build_root()) / f"py{sys.version_info.major}{sys.version_info.minor}_{flavour}" / NAME
 

@@ -153,3 +153,15 @@ def test_a_rebuild_is_reported_even_when_it_was_not_predicted(tmp_path, monkeypa
     with extensions.visible_build(is_main=False):
         library.write_bytes(b"built again")
     assert capsys.readouterr().err == ""
+
+
+def test_build_directory_follows_torch_extensions_dir_as_torch_does(tmp_path, monkeypatch):
+    pytest.importorskip("deepspeed")
+    from torch.utils.cpp_extension import _get_build_directory
+
+    from fusedalign.distributed import extensions
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert extensions.build_directory() == Path(_get_build_directory(extensions.NAME, verbose=False))
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+    assert extensions.build_directory().parent.parent == Path(__import__("torch").utils.cpp_extension.get_default_build_root())
