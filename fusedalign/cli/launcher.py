@@ -33,6 +33,7 @@ ERROR_LINE = re.compile(r"^fusedalign \w+( \(rank \d+\))?: error: ")
 TRACEBACK = re.compile(r"^(\[rank\d+\]:\s*)?Traceback \(most recent call last\):")
 CHAINED = re.compile(r"^(\[rank\d+\]:\s*)?(During handling of the above exception|The above exception was)")
 EXCEPTION = re.compile(r"^(\[rank\d+\]:\s*)?[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b")
+CLOSING = re.compile(r"^\[fusedalign\] (interrupted|resume with)")  # an interrupted run's last words
 LAUNCHER_LOG = re.compile(r"^[WE]\d{4} ")  # torch elastic's glog lines (a child failed, others are stopped)
 
 
@@ -68,10 +69,10 @@ class HeldOutput:
     """Passes a run's stderr through, holding back what a fusedalign error would make noise:
     tracebacks and the launcher's log lines until the end, everything once the error is seen.
     At the end a failed run with an error line shows that line alone, last; any other run
-    shows what was held."""
+    shows what was held, then an interrupted run's resume command."""
 
     def __init__(self, write: Callable[[str], Any]):
-        self.write, self.held, self.in_traceback, self.rest = write, [], False, ""
+        self.write, self.held, self.closing, self.in_traceback, self.rest = write, [], [], False, ""
         self.error_line: str | None = None
 
     def feed(self, text: str) -> None:
@@ -93,6 +94,8 @@ class HeldOutput:
             self.in_traceback = bool(TRACEBACK.match(bare)) or (self.in_traceback and not EXCEPTION.match(bare))
         elif LAUNCHER_LOG.match(bare):
             self.held.append(line)
+        elif CLOSING.match(bare):
+            self.closing.append(line)
         else:
             self.write(line + "\n")
 
@@ -103,7 +106,7 @@ class HeldOutput:
             self.rest = ""
         if failed and self.error_line:
             return self.error_line
-        for line in self.held:
+        for line in self.held + self.closing:  # an interrupted run's resume command stays last
             self.write(line + "\n")
         return None
 

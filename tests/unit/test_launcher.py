@@ -75,6 +75,17 @@ def test_a_failure_without_our_line_shows_everything_it_held():
     assert written.startswith("step 1\n") and "Connection reset by peer" in written and "ChildFailedError" in written
 
 
+def test_an_interrupted_runs_resume_command_stays_last():
+    written, last = _run([" 15%|#5   | 61/400\r", "W1204 14:52:38.567000 1 api.py:753] Received 2 death signal\n",
+                          "[fusedalign] interrupted (SIGINT); the last one is out/checkpoint-60.\n",
+                          "[fusedalign] resume with: fusedalign launch dpo --resume_from_checkpoint last\n",
+                          "W1204 14:52:38.568000 1 api.py:1028] Sending process 2 closing signal SIGINT\n"], failed=True)
+    assert last is None
+    lines = written.strip().splitlines()
+    assert lines[-1].startswith("[fusedalign] resume with:") and lines[-2].startswith("[fusedalign] interrupted")
+    assert "Sending process 2" in written
+
+
 def test_a_progress_bar_is_forwarded_as_it_redraws():
     written = []
     out = HeldOutput(written.append)
