@@ -17,6 +17,14 @@ class LaunchError(CLIError):
 USER_ERRORS: tuple[type[Exception], ...] = (ValueError, FileNotFoundError, NotImplementedError)
 
 
+def flag_value(value: object) -> object:
+    """A flag's value as the user typed it: `steps`, not `IntervalStrategy.STEPS` (the enum
+    TrainingArguments turns strategy strings into formats with its class name)."""
+    import enum
+
+    return value.value if isinstance(value, enum.Enum) else value
+
+
 def one_line(err: BaseException) -> str:
     """The message of a user error on one line (a multi-line message is joined by ' | ')."""
     text = str(err).strip() or type(err).__name__

@@ -48,12 +48,15 @@ class TokenLogProbs(NamedTuple):
         logit_mean: [B, T] float32 mean over the vocabulary of the logits, detached, or None;
             0 where the label is ignored.
         argmax_match: [B, T] bool, whether the most likely token is the label, or None.
+        backend: what computed them: "unfused" (materialised logits) or the head op's
+            backend ("torch-chunked", "triton", "reference").
     """
 
     logps: torch.Tensor
     entropy: torch.Tensor | None = None
     logit_mean: torch.Tensor | None = None
     argmax_match: torch.Tensor | None = None
+    backend: str = "unfused"
 
 
 # --------------------------------------------------------------------------------------
@@ -367,11 +370,22 @@ def logprobs_from_logits(
     return TokenLogProbs(logps, ent, mean, match)
 
 
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """transformers' labels ([B, T], aligned with input_ids) as the targets of each position.
+
+    `targets[:, t] = labels[:, t + 1]`: position t predicts the next token; the last position
+    predicts nothing (-100). The shift a causal LM's own loss makes, done once here.
+    """
+    ignored = torch.full_like(labels[:, :1], IGNORE_INDEX)  # [B, 1]
+    return torch.cat([labels[:, 1:], ignored], dim=1)  # [B, T]
+
+
 def token_logprobs(
     model: nn.Module,
     inputs: dict[str, torch.Tensor],
-    labels: torch.Tensor,
     *,
+    labels: torch.Tensor | None = None,
+    targets: torch.Tensor | None = None,
     fused: bool = True,
     temperature: float = 1.0,
     entropy: bool = False,
@@ -381,15 +395,25 @@ def token_logprobs(
     entropy_grad: bool = False,
     batch_invariant: bool = False,
 ) -> TokenLogProbs:
-    """Per-token log-probs of `labels` from one ordinary forward of `model`.
+    """Per-token log-probs of the next tokens from one ordinary forward of `model`.
 
     With `fused=True` the logits are never materialised; with `fused=False` they are,
-    and the same function is computed from them (the oracle in every test).
+    and the same function is computed from them (the oracle in every test). Give exactly
+    one of `labels` (transformers' convention) or `targets` (already shifted):
+
+        token_logprobs(model, {"input_ids": ids}, labels=ids).logps[:, t]
+            == log p(ids[:, t + 1] | ids[:, :t + 1])      # and 0 at the last position
+        token_logprobs(model, {"input_ids": ids}, targets=t).logps[:, t]
+            == log p(t[:, t] | ids[:, :t + 1])
 
     Args:
         model: The model as the backend prepared it (call it, never its parts).
         inputs: Keyword arguments of the forward (input_ids, attention_mask, position_ids).
-        labels: [B, T] position-aligned labels, -100 where ignored.
+        labels: [B, T] transformers' labels, aligned with input_ids (`labels=input_ids`
+            scores every next token), -100 where ignored; shifted here, as a causal LM's
+            loss does. The result's position t scores `labels[:, t + 1]`.
+        targets: [B, T] the token each position predicts (`targets[:, t]` is scored at
+            position t), -100 where ignored: what the trainers build.
         row_loss: The loss the log-probs feed, per row sum (fused only: lets the head form its
             gradient in the forward; the unfused path computes the same function without it).
         entropy_grad: Return the entropy with its gradient (GRPO's entropy bonus), fused or not.
@@ -397,6 +421,10 @@ def token_logprobs(
             other rows (`ops.head_logprobs`); the unfused path computes the same function from
             the model's logits without it.
     """
+    if (labels is None) == (targets is None):
+        raise TypeError("token_logprobs: give exactly one of labels= (aligned with input_ids, as in "
+                        "transformers) or targets= (targets[:, t] is predicted at position t).")
+    labels = shift_labels(labels) if targets is None else targets
     stats = {"entropy": entropy, "logit_mean": logit_mean, "argmax": argmax, "entropy_grad": entropy_grad}
     if not fused:
         logits = model(**inputs, use_cache=False).logits
@@ -423,4 +451,4 @@ def token_logprobs(
     entropy_out = last.entropy
     if entropy_grad:  # the entropy's gradient, too, flows through the model's output
         logps, entropy_out = logps.unbind(-1)
-    return TokenLogProbs(logps, entropy_out, last.logit_mean, last.argmax_match)
+    return TokenLogProbs(logps, entropy_out, last.logit_mean, last.argmax_match, last.backend)

@@ -173,4 +173,6 @@ def launcher_prefix() -> list[str] | None:
     options = accelerate_options(parent_argv())
     if options is None:
         return None
+    if os.environ.get("FUSEDALIGN_LAUNCHED"):  # started by `fusedalign launch`: say it the same way
+        return ["fusedalign", "launch", *options["launch_args"]]
     return ["accelerate", "launch", *options["launch_args"], "-m", "fusedalign"]

@@ -112,8 +112,18 @@ def load_model(name_or_path: str | os.PathLike, *, dtype: Any = None, **kwargs: 
         dtype = getattr(torch, dtype)
     if dtype is not None:
         kwargs["dtype"] = dtype
+    from fusedalign.attention.selection import ATTENTION_ASKED
+
     path = resolve_model_path(name_or_path)
-    return AutoModelForCausalLM.from_pretrained(path, **_hub_kwargs(path, kwargs))
+    model = AutoModelForCausalLM.from_pretrained(path, **_hub_kwargs(path, kwargs))
+    # Whether the implementation was asked for: padding-free rows on CUDA may move a default one
+    # to flex attention (fusedalign.attention.selection), never one a caller chose.
+    setattr(model, ATTENTION_ASKED, "attn_implementation" in kwargs)
+    if os.fspath(name_or_path).startswith(BUILTIN_PREFIX):
+        # What a LoRA adapter records as its base, and what the tokenizer is loaded from:
+        # the name a user can pass again, not a path into the installed package.
+        model.name_or_path = model.config.name_or_path = os.fspath(name_or_path)
+    return model
 
 
 def _hub_kwargs(path: str, kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -1,9 +1,11 @@
 """Training curves from a run's `metrics.jsonl`, drawn to a PNG.
 
 One panel per metric, its training and evaluation values together (`loss` and
-`eval_loss` on one panel). A metric that is zero all along (KTO's `eval_kl` with a
-frozen reference, a clip ratio that never clips) gets no panel: a flat line at zero
-says nothing a reader needs. Metric groups such as GRPO's `clip_ratio/*` share a panel.
+`eval_loss` on one panel). Metric groups such as GRPO's `clip_ratio/*` share a panel.
+Every metric of `CURVES` that was logged is drawn, constant ones too: a reward that is 0
+all along (so its advantages, and a GRPO loss, are 0 too) or a clip ratio that never clips
+is what a reader needs to see, so a constant line says so in its legend ("= 0 throughout"),
+and a panel whose every line is constant says so in its middle.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import NamedTuple
 # puts its metrics on one panel, any other pattern gives each match a panel of its own.
 CURVES = (
     "loss", "rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected", "reward", "reward_std",
-    "rewards/*", "kl", "entropy", "mean_token_accuracy", "completions/mean_length", "clip_ratio/*",
+    "frac_reward_zero_std", "rewards/*", "kl", "entropy", "mean_token_accuracy", "completions/mean_length", "clip_ratio/*",
 )
 GROUPED = frozenset({"clip_ratio/*"})
 EVAL_PREFIX = "eval_"
@@ -64,7 +66,7 @@ def _panel_of(name: str) -> tuple[int, str] | None:
 
 
 def panels(records: list[dict]) -> dict[str, dict[str, Series]]:
-    """Panel title -> line label -> series, in display order, constant-zero lines and empty panels left out."""
+    """Panel title -> line label -> series, in display order (lines with no finite value left out)."""
     found: dict[tuple[int, str], dict[str, Series]] = {}
     for record in last_run(records):
         for key, value in record.items():
@@ -82,10 +84,22 @@ def panels(records: list[dict]) -> dict[str, dict[str, Series]]:
             series.values.append(float(value))
     out = {}
     for (_, title), lines in sorted(found.items()):
-        kept = {label: s for label, s in lines.items() if any(v != 0 and math.isfinite(v) for v in s.values)}
+        kept = {label: s for label, s in lines.items() if any(math.isfinite(v) for v in s.values)}
         if kept:
             out[title] = kept
     return out
+
+
+def constant_value(series: Series) -> float | None:
+    """The value a line holds at every step (its finite values all equal), or None."""
+    finite = {v for v in series.values if math.isfinite(v)}
+    return finite.pop() if len(finite) == 1 and len(series.values) > 1 else None
+
+
+def line_label(label: str, series: Series) -> str:
+    """A line's legend entry; a constant line says so ("train = 0 throughout")."""
+    value = constant_value(series)
+    return label if value is None else f"{label} = {value:g} throughout"
 
 
 def run_panels(output_dir: str) -> dict[str, dict[str, Series]]:
@@ -100,7 +114,7 @@ def run_panels(output_dir: str) -> dict[str, dict[str, Series]]:
         raise FileNotFoundError(f"No metrics to plot: {path} does not exist (is {output_dir} a fusedalign output dir?).")
     drawn = panels(read_metrics(path))
     if not drawn:
-        raise ValueError(f"{path} holds no curve to draw (looked for {', '.join(CURVES)}, train or eval, not all zero).")
+        raise ValueError(f"{path} holds no curve to draw (looked for {', '.join(CURVES)}, train or eval).")
     return drawn
 
 
@@ -130,13 +144,17 @@ def plot_run(output_dir: str, out_file: str | None = None) -> str:
     for ax, (title, lines) in zip(axes.flat, drawn.items()):
         for label, series in lines.items():
             evaluation = label.endswith("eval")
-            ax.plot(series.steps, series.values, label=label, linestyle="--" if evaluation else "-",
+            ax.plot(series.steps, series.values, label=line_label(label, series), linestyle="--" if evaluation else "-",
                     marker="o" if evaluation or len(series.steps) < 50 else None, markersize=3)
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        if len(lines) > 1:
+        constant = [constant_value(series) is not None for series in lines.values()]
+        if len(lines) > 1 or any(constant):
             ax.legend(fontsize="small")
+        if all(constant):
+            ax.text(0.5, 0.5, "constant", transform=ax.transAxes, ha="center", va="center", color="0.4",
+                    fontsize="large", fontweight="bold", alpha=0.6)
     for ax in list(axes.flat)[len(drawn):]:
         ax.axis("off")
     fig.suptitle(f"run: {os.path.basename(os.path.abspath(output_dir))}", x=0.01, ha="left", fontweight="bold")

@@ -31,7 +31,8 @@ class DPORun:
             --max_tokens_per_batch tokens (DPOConfig.max_tokens_per_batch), in the trainer's
             own order; the pairs of an optimizer step then vary around --pairs.
         attn: ours: the attention implementation the policy and reference load with
-            (DPOConfig.attn_implementation; None: the model's default, sdpa). On
+            (None: the trainer's default: sdpa, except padding-free rows on CUDA, which it
+            moves to flex attention, fusedalign.attention.selection). On
             "flex_attention" packed rows attend through a BlockMask whose empty blocks
             (other sequences) the kernel skips, where sdpa takes a dense L x L mask.
         pad_to_multiple_of: ours: round each micro-batch's length up (DPOConfig.pad_to_multiple_of),
@@ -117,6 +118,15 @@ REAL = _table(
            about="ours, padding_free=True, --per_device_train_batch_size pairs a micro-batch (not run unless named)"),
     DPORun("ours_shared_prompt_fixed", "ours", compile_layers=True, padding_free=True, share_prompt=True,
            about="ours, share_prompt=True, --per_device_train_batch_size pairs a micro-batch (not run unless named)"),
+    # Like for like with TRL + Liger at the same micro-batch (--per_device_train_batch_size 8, then 16):
+    DPORun("ours_padding_free_fixed_flex", "ours", compile_layers=True, padding_free=True, attn="flex_attention",
+           pad_to_multiple_of=1024,
+           about="ours_padding_free_fixed on flex_attention, rows rounded up to a multiple of 1,024 (not run unless named)"),
+    DPORun("ours_shared_prompt_fixed_flex", "ours", compile_layers=True, padding_free=True, share_prompt=True,
+           attn="flex_attention", pad_to_multiple_of=1024,
+           about="ours_shared_prompt_fixed on flex_attention, rows rounded up to a multiple of 1,024 (not run unless named)"),
+    DPORun("ours_padding_free_fixed_sdpa", "ours", compile_layers=True, padding_free=True, attn="sdpa",
+           about="ours_padding_free_fixed kept on sdpa (its dense row mask; the 0.50x row of 2026-12-04) (not run unless named)"),
 )
 
 REAL_DEFAULT = ("trl_liger", "trl_liger_grouped", "ours_fused_compile", "ours_padding_free", "ours_shared_prompt")

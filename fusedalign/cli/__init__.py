@@ -21,7 +21,7 @@ from fusedalign.cli.commands import TRAINING_COMMANDS
 from fusedalign.cli.demo import DEMO_DEFAULTS
 from fusedalign.errors import CLIError, LaunchError, one_line
 
-USAGE = """usage: fusedalign <command> [flags]
+USAGE = """usage: fusedalign <command> [flags]   (fusedalign --version: the versions in use)
 
 commands:
   dpo          Direct Preference Optimization on preference data
@@ -34,14 +34,17 @@ commands:
                fusedalign consolidate CHECKPOINT_DIR [OUTPUT_DIR]
   verify       check your setup: fused = unfused and N processes = 1, on your model and data:
                fusedalign verify dpo [dpo's flags] --backends ddp zero3  (--self_test: it catches known bugs)
+  launch       check flags, data and model once, then run accelerate launch:
+               fusedalign launch --config_file CONFIG [accelerate options] dpo [flags]
 
 `fusedalign <command> --help` lists a command's own flags, `--help-all` every flag.
 With no --model_name_or_path, a training command runs the embedded demo
 (builtin:tiny-qwen2 on builtin:zen); any flag you give overrides the demo's settings.
 
 Distributed (2 processes):
-  with GPUs:    accelerate launch --config_file configs/accelerate/zero3.yaml -m fusedalign dpo ...
-  without GPUs: accelerate launch --config_file configs/accelerate/cpu/zero3.yaml -m fusedalign dpo ...
+  with GPUs:    fusedalign launch --config_file configs/accelerate/zero3.yaml dpo ...
+  without GPUs: fusedalign launch --config_file configs/accelerate/cpu/zero3.yaml dpo ...
+  (or accelerate launch --config_file ... -m fusedalign dpo ..., without the checks first)
 (ddp, zero2, zero3, fsdp2; never add --cpu: accelerate would start one plain process)
 """
 
@@ -80,14 +83,26 @@ def _tool(name: str) -> Callable[[list[str]], int]:
     return run
 
 
+def _launch(argv: list[str]) -> int:
+    from fusedalign.cli.launcher import run_launch
+
+    return run_launch(argv)
+
+
 COMMANDS: dict[str, Callable[[list[str]], int]] = {
     **{name: _training(name) for name in TRAINING_COMMANDS},
     **{name: _tool(name) for name in ("plot", "merge", "consolidate", "verify")},
+    "launch": _launch,
 }
 
 
 def _is_main_process() -> bool:
     return os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0"
+
+
+def _training_started() -> bool:
+    training = sys.modules.get("fusedalign.cli.training")
+    return bool(training is not None and training.STATE["training"])
 
 
 def _exit_code(code: int) -> int:
@@ -100,12 +115,39 @@ def _exit_code(code: int) -> int:
     return code
 
 
+def _fresh_line() -> None:
+    """Closes the progress bars an error interrupted, so that the error starts a line of its own
+    and stays the last one (a bar left open redraws itself when it is collected, after it)."""
+    tqdm = sys.modules.get("tqdm")
+    for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", ())):
+        bar.close()  # ends the bar's line (or clears it)
+
+
+def version_line() -> str:
+    """`fusedalign --version`: ours and the versions that decide what a run does (no torch import)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from fusedalign import __version__
+
+    def of(dist: str) -> str:
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            return "not installed"
+
+    deps = ", ".join(f"{dist} {of(dist)}" for dist in ("torch", "transformers", "accelerate", "peft", "deepspeed"))
+    return f"fusedalign {__version__} ({deps}; python {sys.version.split()[0]})"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0
     command, rest = argv[0], argv[1:]
+    if command in ("--version", "-V", "version"):
+        print(version_line())
+        return 0
     if command not in COMMANDS:
         close = difflib.get_close_matches(command, COMMANDS, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
@@ -119,13 +161,18 @@ def main(argv: list[str] | None = None) -> int:
         return COMMANDS[command](rest) or 0
     except LaunchError as err:  # every rank finds the same: one of them says it
         if _is_main_process():
+            _fresh_line()
             print(f"fusedalign {command}: error: {one_line(err)}", file=sys.stderr)
         return _exit_code(2)
     except (CLIError, *USER_ERRORS) as err:
         if os.environ.get("FUSEDALIGN_TRACEBACK"):
             raise
         rank = os.environ.get("RANK", "0")
+        if rank != "0" and not _training_started():
+            # Before training every rank checks the same flags, data and model: rank 0 says it.
+            return _exit_code(2)
         where = "" if rank == "0" else f" (rank {rank})"
+        _fresh_line()
         print(f"fusedalign {command}{where}: error: {one_line(err)}", file=sys.stderr)
         return _exit_code(2)
 

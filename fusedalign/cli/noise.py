@@ -8,6 +8,9 @@ libraries say still reaches the user. Measured on 2026-12-03 (torch 2.13, DeepSp
   before DeepSpeed is imported, by fusedalign.launch);
 - 27 FutureWarnings from torch about `all_gather_into_tensor` / `reduce_scatter_tensor`,
   functions DeepSpeed calls, not the user.
+And PEFT, saving an adapter whose base is a builtin model (recorded by its name,
+`builtin:tiny-qwen2`), warns that it cannot find that name's config "and will assume the
+vocabulary was not modified": true of every builtin model, whose vocabulary nothing resizes.
 """
 
 from __future__ import annotations
@@ -47,4 +50,10 @@ def quiet_known_noise() -> None:
                 r"Please use `torch\.distributed\.(all_gather_single|reduce_scatter_single)` instead\.",
         category=FutureWarning,
         module=re.escape("torch.distributed.c10d_logger"),
+    )
+    warnings.filterwarnings(
+        "ignore",
+        message=r"Could not find a config file in builtin:",
+        category=UserWarning,
+        module=re.escape("peft.utils.save_and_load"),
     )

@@ -97,7 +97,8 @@ def run_merge(argv: list[str]) -> int:
     tokenizer = load_tokenizer(adapter_dir if has_tokenizer else base)
     model.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
-    print(f"[fusedalign] {adapter_dir} merged into {base}; full model and tokenizer saved in {output_dir}", file=sys.stderr)
+    print(f"[fusedalign] the adapter in {adapter_dir} merged into a copy of its base model {base} (which is "
+          f"unchanged); the full model and tokenizer saved in {output_dir}", file=sys.stderr)
     return 0
 
 

@@ -16,7 +16,12 @@ from fusedalign.cli.output_dir import (
     move_past_checkpoint_aside,
     resolve_resume,
 )
-from fusedalign.errors import CLIError
+from fusedalign.errors import CLIError, flag_value
+
+
+# Whether this process got past the checks into training: an error before it is the same on
+# every rank, so only rank 0 reports it (fusedalign.cli.main).
+STATE = {"training": False}
 
 
 def _is_main_process() -> bool:
@@ -28,9 +33,16 @@ def peft_config_from(model_args: Any) -> Any:
         return None
     from peft import LoraConfig
 
+    targets = model_args.lora_target_modules or ["all-linear"]
+    if "all-linear" in targets:
+        # PEFT's shorthand is a string, not a module name: a list holding it matches nothing.
+        if len(targets) > 1:
+            raise CLIError(f"--lora_target_modules {' '.join(targets)}: all-linear already names every linear "
+                           "layer but lm_head; give it alone, or list the modules (add lm_head to adapt the head).")
+        targets = "all-linear"
     return LoraConfig(
         task_type="CAUSAL_LM", r=model_args.lora_r, lora_alpha=model_args.lora_alpha,
-        lora_dropout=model_args.lora_dropout, target_modules=model_args.lora_target_modules or "all-linear",
+        lora_dropout=model_args.lora_dropout, target_modules=targets,
         modules_to_save=model_args.lora_modules_to_save,
     )
 
@@ -61,7 +73,7 @@ def load_splits(command: str, script: Any, args: Any) -> tuple[Any, Any]:
         raise CLIError("--dataset_name is required with --model_name_or_path (e.g. builtin:zen or a local file).")
     if args.eval_strategy != "no" and is_single_file(script.dataset_name):
         raise CLIError(
-            f"--eval_strategy {args.eval_strategy}: {script.dataset_name} is a single file, so it has no test split "
+            f"--eval_strategy {flag_value(args.eval_strategy)}: {script.dataset_name} is a single file, so it has no test split "
             "to evaluate on (evaluating on the training file would measure nothing); use --eval_strategy no, or a "
             "directory with train and test files."
         )
@@ -115,6 +127,7 @@ def run_training(command: str, argv: list[str]) -> int:
     """`fusedalign dpo|kto|sft|grpo`: returns the exit code (128 + signal number when interrupted)."""
     from fusedalign.launch import check_launch
 
+    STATE["training"] = False
     check_launch()
     guard = InterruptGuard()
     guard.install()
@@ -149,7 +162,7 @@ def _run(command: str, argv: list[str], guard: InterruptGuard, run: dict[str, An
         move_old_run_aside(args)
     elif resume is not None:
         move_past_checkpoint_aside(args, resume)
-    run["training"] = True
+    run["training"] = STATE["training"] = True
     _train_and_save(trainer, args, resume, guard)
     teardown_distributed()
     return 0

@@ -50,8 +50,8 @@ is sequence i, rejected is B + i (KTO: completion i, KL partner B + i), so `seq[
 **What a trainer does** (DPO; KTO alike; `fusedalign.trainers.preference_inputs` does it):
 1. kwargs = `fusedalign.attention.attention_inputs(model, batch)` once per batch; the policy
    and the reference forward take the same kwargs, so the reference runs in the same layout.
-2. labels = batch["labels"]; token log-probs [1, L] from `token_logprobs(model, kwargs,
-   labels)`; per-sequence sums [2B] = `sequence_logps(logps, batch)` (fp64, as the
+2. targets = batch["labels"] (already shifted); token log-probs [1, L] from
+   `token_logprobs(model, kwargs, targets=targets)`; per-sequence sums [2B] = `sequence_logps(logps, batch)` (fp64, as the
    loss-aware head sums); lengths = batch["scored_tokens"].
 3. `count_items` = `valid_pairs(batch).sum()`: pairs whose chosen and rejected both keep a
    scored token, the unit of the global normaliser (pairs of the optimizer step, all ranks).

@@ -79,8 +79,7 @@ def setup_distributed() -> DistributedBackend:
         from fusedalign.distributed import extensions
 
         if not deepspeed.comm.is_initialized():
-            extensions.announce(is_main=os.environ.get("RANK", "0") == "0")  # the first launch compiles
-            with extensions.quiet_build_report():
+            with extensions.visible_build(is_main=os.environ.get("RANK", "0") == "0"):  # the first launch compiles
                 deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
     return backend
 

@@ -9,12 +9,23 @@ JIT the first time it runs: 0.5 to 4 minutes on a 2-core machine (34 s measured 
 and that command names the environment's site-packages, so each environment (each path)
 builds it once. `scripts/setup.sh` runs `build()` at install time, so neither the demo
 nor the tests pay it silently; a launch that still has to build says so first.
+
+Which ninja runs matters: torch runs the first `ninja` on PATH, and ninja rebuilds
+everything when the build log was written by another version ("command line changed";
+1.13 even discards a 1.11 log). `setup.sh` runs the venv's python without activating the
+venv, so it found the system's ninja, while a launch with `.venv/bin` on PATH found the
+venv's, and rebuilt, silently, for 35-57 s (2026-12-04, f9b5da6). So every build and every
+launch puts the environment's own ninja (next to its python) first on PATH, and whether a
+build is due is asked of that ninja itself (`ninja -n`), not guessed from file names.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import os
+import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,12 +36,35 @@ BUILT_LINE = "DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfu
 
 
 def build_directory() -> Path:
-    """Where torch's JIT keeps the extension (torch.utils.cpp_extension's layout)."""
+    """Where torch's JIT keeps the extension (torch.utils.cpp_extension's layout): directly under
+    `$TORCH_EXTENSIONS_DIR` when it is set, else under the default root's py<version>_<flavour>."""
     import torch
     from torch.utils.cpp_extension import get_default_build_root
 
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(os.environ["TORCH_EXTENSIONS_DIR"]) / NAME
     flavour = "cpu" if torch.version.cuda is None else f"cu{torch.version.cuda.replace('.', '')}"
     return Path(get_default_build_root()) / f"py{sys.version_info.major}{sys.version_info.minor}_{flavour}" / NAME
+
+
+def use_environment_ninja() -> str | None:
+    """Puts the ninja installed beside this python first on PATH (for torch's JIT and its
+    children); returns the ninja that torch will run."""
+    here = os.path.dirname(sys.executable)  # not resolved: a venv's bin, not the base python's
+    if os.path.isfile(os.path.join(here, "ninja")):
+        path = os.environ.get("PATH", "")
+        if path.split(os.pathsep)[0] != here:
+            os.environ["PATH"] = here + (os.pathsep + path if path else "")
+    return shutil.which("ninja")
+
+
+def ninja_has_work(directory: Path) -> bool:
+    """Whether the ninja torch will run would run any command in `directory` (a dry run)."""
+    ninja = use_environment_ninja()
+    if ninja is None:
+        return True  # torch cannot build without one; DeepSpeed will say so
+    done = subprocess.run([ninja, "-n", "-C", str(directory)], capture_output=True, text=True)
+    return done.returncode != 0 or "no work to do" not in done.stdout
 
 
 def _builder():
@@ -49,16 +83,42 @@ def needs_build() -> bool:
     sources = [builder.deepspeed_src_path(p) for p in builder.strip_empty_entries(builder.sources())]
     if not (directory / f"{NAME}.so").is_file() or not ninja.is_file():
         return True
-    text = ninja.read_text()
-    return not all(source in text for source in sources)  # built from this environment's sources
+    if not all(source in ninja.read_text() for source in sources):
+        return True  # built from another environment's sources
+    return ninja_has_work(directory)
 
 
-def announce(is_main: bool) -> None:
-    """Says, before DeepSpeed starts compiling, what it compiles, why, and for how long."""
-    if is_main and needs_build():
+def announce(is_main: bool) -> bool:
+    """Says, before DeepSpeed starts compiling, what it compiles, why, and for how long.
+
+    Returns whether a build is due (on every rank; only the main one speaks)."""
+    due = needs_build()
+    if is_main and due:
         print(f"[fusedalign] DeepSpeed on CPU: compiling its shared-memory communication extension ({NAME}) for "
               f"this environment, once: 0.5-4 minutes on 2 cores. It is cached in {build_directory()}; "
               "`bash scripts/setup.sh` builds it ahead of time.", file=sys.stderr, flush=True)
+    return due
+
+
+def _built_at() -> float | None:
+    library = build_directory() / f"{NAME}.so"
+    return library.stat().st_mtime if library.is_file() else None
+
+
+@contextlib.contextmanager
+def visible_build(is_main: bool) -> Iterator[None]:
+    """Around DeepSpeed's `init_distributed` on CPU: the environment's ninja, a notice before
+    a build that is due, and, after, a line saying that the extension was (re)built and how
+    long it took whenever its library changed, announced or not."""
+    use_environment_ninja()
+    before, start = _built_at(), time.monotonic()
+    announce(is_main)
+    with quiet_build_report():
+        yield
+    if is_main and _built_at() != before:
+        print(f"[fusedalign] DeepSpeed's {NAME} was built in {time.monotonic() - start:.0f} s "
+              f"(by {shutil.which('ninja')}); later launches from this environment reuse it.",
+              file=sys.stderr, flush=True)
 
 
 class _DropLine(io.TextIOBase):
@@ -95,6 +155,7 @@ def quiet_build_report() -> Iterator[None]:
 
 def build() -> None:
     """Builds the extension now, saying so (`python -m fusedalign.distributed.extensions`)."""
+    use_environment_ninja()  # the ninja every launch from this environment will use
     builder = _builder()
     if builder is None or not builder.is_compatible():
         print(f"[fusedalign] DeepSpeed does not use {NAME} here; nothing to build.", file=sys.stderr)

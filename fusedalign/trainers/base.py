@@ -113,10 +113,13 @@ class FusedAlignTrainer(Trainer):
 
     # ---------------------------------------------------------------- shared helpers
 
-    def token_logprobs(self, model: nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor,
+    def token_logprobs(self, model: nn.Module, inputs: dict[str, torch.Tensor], targets: torch.Tensor,
                        **stats: Any) -> TokenLogProbs:
-        """The one way a trainer gets log-probs: fused or not, never by reading weights."""
-        return token_logprobs(model, inputs, labels, fused=self.args.fused_head,
+        """The one way a trainer gets log-probs: fused or not, never by reading weights.
+
+        `targets` [B, T] are already shifted (`targets[:, t]` is predicted at position t).
+        """
+        return token_logprobs(model, inputs, targets=targets, fused=self.args.fused_head,
                               temperature=getattr(self.args, "temperature", 1.0), **stats)
 
     def checkpointed(self, name: str, component: Any, per_rank: bool = False) -> Any:

@@ -37,6 +37,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Sampler, SequentialSampler
 
 from fusedalign.attention import attention_inputs, check_preference_attention, layer_windows
+from fusedalign.attention.selection import choose_packed_attention
 from fusedalign.data import position_labels
 from fusedalign.data.preference_batches import sequence_logps
 from fusedalign.data.samplers import LengthGroupedSampler, TokenBudgetBatchSampler
@@ -47,8 +48,10 @@ ROW_INPUTS = ("input_ids", "position_ids", "segment_ids", "parent_ids")
 
 
 def check_models(args: Any, *models: nn.Module | None) -> None:
-    """At the trainer's init: refuses a policy or reference that cannot isolate packed sequences."""
+    """At the trainer's init: on CUDA, the attention whose cost follows the segments (flex by default,
+    `attention.selection`); refuses a policy or reference that cannot isolate packed sequences."""
     if args.padding_free:
+        choose_packed_attention(args, *models)
         for model in models:
             if model is not None:
                 check_preference_attention(model, share_prompt=args.share_prompt)

@@ -137,3 +137,31 @@ def test_fsdp2_checkpoint_consolidates_to_the_final_model(tmp_path):
     assert set(final) <= set(params) and any(not torch.equal(final[k], initial[k]) for k in final)
     for key, value in final.items():
         torch.testing.assert_close(params[key].detach(), value, rtol=0, atol=0, msg=key)
+
+
+# ------------------------------------------------------------------------- issue 25
+
+
+def _fusedalign_launch(args, timeout=600):
+    cmd = [sys.executable, "-m", "fusedalign", "launch", "--config_file", str(CPU_CONFIGS / "ddp.yaml"),
+           "--main_process_port", str(_free_port()), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(cmd, cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_fusedalign_launch_leaves_a_ranks_error_as_the_last_line(tmp_path):
+    """An error both ranks meet once the process group exists (PEFT finds no such module): one line,
+    rank 0's, last, exit 2; no launcher or gloo traceback."""
+    proc = _fusedalign_launch(["dpo", "--model_name_or_path", "builtin:tiny-qwen2", "--dataset_name", "builtin:zen",
+                               "--dataset_config", "standard_preference", "--use_peft", "--lora_target_modules",
+                               "no_such_proj", "--max_steps", "1", "--output_dir", str(tmp_path / "out")])
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert lines[-1].startswith("fusedalign dpo: error: ") and "no_such_proj" in lines[-1], proc.stderr[-3000:]
+    assert proc.stderr.count("error:") == 1 and "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr
+
+
+def test_fusedalign_launch_checks_flags_in_one_process_first(tmp_path):
+    proc = _fusedalign_launch(["dpo", "--beta", "0", "--output_dir", str(tmp_path / "out")], timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr[-3000:]
+    assert "beta must be > 0" in proc.stderr and "accelerate" not in proc.stderr

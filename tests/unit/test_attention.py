@@ -18,7 +18,7 @@ from tests.unit.test_preference_batches import ROWS, TOL, _model, _packed, _padd
 def _per_sequence(model, batch, kwargs):
     """Log-probs of each sequence's scored tokens [S lists] from one forward with `kwargs`."""
     with torch.no_grad():
-        logps = token_logprobs(model, kwargs, batch["labels"]).logps[0]
+        logps = token_logprobs(model, kwargs, targets=batch["labels"]).logps[0]
     seq = batch["sequence_ids"][0]
     return [logps[seq == s] for s in range(batch["scored_tokens"].shape[0])]
 

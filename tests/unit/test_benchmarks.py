@@ -167,6 +167,11 @@ def test_configuration_names_cited_in_docs_keep_their_options():
         run = real[name]
         assert run.attn == "flex_attention" and run.pad_to_multiple_of == 1024 and run.token_budget
         assert run.share_prompt == (name == "ours_shared_prompt_flex")
+    for name in ("ours_padding_free_fixed_flex", "ours_shared_prompt_fixed_flex"):  # like for like with TRL + Liger
+        run = real[name]
+        assert run.attn == "flex_attention" and run.pad_to_multiple_of == 1024 and not run.token_budget
+        assert run.padding_free and run.share_prompt == (name == "ours_shared_prompt_fixed_flex")
+    assert real["ours_padding_free_fixed_sdpa"].attn == "sdpa" and not real["ours_padding_free_fixed_sdpa"].token_budget
 
 
 @pytest.mark.parametrize("options, message", [

@@ -179,7 +179,8 @@ def test_every_command_help_works(command, tmp_path, monkeypatch, capsys):
         assert "{% generation %}" in short  # the help string that made argparse crash
 
 
-TOOLS = {"plot": "OUTPUT_DIR", "merge": "ADAPTER_DIR OUTPUT_DIR", "consolidate": "CHECKPOINT_DIR", "verify": "TRAINER"}
+TOOLS = {"plot": "OUTPUT_DIR", "merge": "ADAPTER_DIR OUTPUT_DIR", "consolidate": "CHECKPOINT_DIR", "verify": "TRAINER",
+         "launch": "[accelerate launch options]"}
 
 
 @pytest.mark.parametrize("command", sorted(TOOLS))

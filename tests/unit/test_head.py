@@ -46,7 +46,7 @@ def _grads(model):
 
 def _run(model, inputs, labels, fused, upstream):
     model.zero_grad(set_to_none=True)
-    out = token_logprobs(model, inputs, labels, fused=fused, entropy=True, logit_mean=True, argmax=True)
+    out = token_logprobs(model, inputs, targets=labels, fused=fused, entropy=True, logit_mean=True, argmax=True)
     (out.logps * upstream).sum().backward()
     return out, _grads(model)
 
@@ -74,7 +74,7 @@ def test_softcap_moves_into_the_op_and_matters():
     logits = model(**inputs).logits
     assert logits.abs().max() <= 30.0 and logits.abs().max() > 25.0  # the cap is active
     with torch.no_grad():
-        fused = token_logprobs(model, inputs, labels, fused=True).logps
+        fused = token_logprobs(model, inputs, targets=labels, fused=True).logps
         cap = model.config.final_logit_softcapping
         model.config.final_logit_softcapping = None
         uncapped = logprobs_from_logits(model(**inputs).logits, labels).logps
@@ -125,7 +125,7 @@ def test_unknown_architecture_is_refused_with_the_way_out():
     inputs, labels = _batch(model)
     model.config.model_type = "mystery"
     with pytest.raises(UnsupportedArchitectureError, match=r"mystery.*fused_head=False"):
-        token_logprobs(model, inputs, labels, fused=True)
+        token_logprobs(model, inputs, targets=labels, fused=True)
 
 
 @pytest.mark.parametrize("targets", [["q_proj", "v_proj"], ["q_proj", "lm_head"]])
@@ -150,8 +150,8 @@ def test_lora_fused_equals_unfused_and_trains_the_adapter(name, targets):
         torch.testing.assert_close(got_grads[param_name], ref_grads[param_name], rtol=1e-8, atol=1e-10)
     # The reference mode "policy with its adapter disabled" goes through the same path.
     with model.disable_adapter(), torch.no_grad():
-        base_fused = token_logprobs(model, inputs, labels, fused=True).logps
-        base_unfused = token_logprobs(model, inputs, labels, fused=False).logps
+        base_fused = token_logprobs(model, inputs, targets=labels, fused=True).logps
+        base_unfused = token_logprobs(model, inputs, targets=labels, fused=False).logps
     torch.testing.assert_close(base_fused, base_unfused, rtol=1e-9, atol=1e-9)
     assert not torch.allclose(base_fused, got.logps)  # the adapter really was off
 
@@ -166,16 +166,16 @@ def test_lora_dropout_on_the_head_matches_unfused_with_the_same_mask():
     model.train()
     inputs, labels = _batch(model)
     torch.manual_seed(5)
-    ref = token_logprobs(model, inputs, labels, fused=False).logps
+    ref = token_logprobs(model, inputs, targets=labels, fused=False).logps
     torch.manual_seed(5)
-    got = token_logprobs(model, inputs, labels, fused=True).logps
+    got = token_logprobs(model, inputs, targets=labels, fused=True).logps
     torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-9)
 
 
 def _run_entropy_grad(model, inputs, labels, fused, upstream):
     """Values and every parameter's gradient of sum g logp + sum g^H H (GRPO's entropy bonus)."""
     model.zero_grad(set_to_none=True)
-    out = token_logprobs(model, inputs, labels, fused=fused, entropy_grad=True)
+    out = token_logprobs(model, inputs, targets=labels, fused=fused, entropy_grad=True)
     assert out.entropy.requires_grad
     ((out.logps * upstream[0]).sum() + (out.entropy * upstream[1]).sum()).backward()
     return out, _grads(model)
@@ -205,7 +205,7 @@ def test_entropy_grad_fused_equals_unfused_values_and_every_gradient(name, lora)
         torch.testing.assert_close(got_grads[param_name], grad, rtol=1e-8, atol=1e-10, msg=param_name)
     # The entropy's term is really in those gradients: without it they differ.
     model.zero_grad(set_to_none=True)
-    plain = token_logprobs(model, inputs, labels, fused=True)
+    plain = token_logprobs(model, inputs, targets=labels, fused=True)
     (plain.logps * upstream[0]).sum().backward()
     head_grad = next(n for n in ref_grads if "lm_head" in n or "embed_tokens" in n)
     assert not torch.allclose(_grads(model)[head_grad], ref_grads[head_grad])
@@ -230,8 +230,35 @@ def test_batch_invariant_reaches_the_op_and_keeps_the_function(monkeypatch):
     model = _model("builtin:tiny-gemma2", head_scale=400.0)
     inputs, labels = _batch(model)
     with torch.no_grad():
-        got = token_logprobs(model, inputs, labels, fused=True, batch_invariant=True, entropy=True)
-        ref = token_logprobs(model, inputs, labels, fused=False, batch_invariant=True, entropy=True)
+        got = token_logprobs(model, inputs, targets=labels, fused=True, batch_invariant=True, entropy=True)
+        ref = token_logprobs(model, inputs, targets=labels, fused=False, batch_invariant=True, entropy=True)
     assert seen == [True]
     torch.testing.assert_close(got.logps, ref.logps, rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(got.entropy, ref.entropy, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_labels_take_transformers_convention(fused):
+    """labels=input_ids (what an HF user passes) scores every next token: minus the mean of
+    the log-probs is transformers' own causal-LM loss for the same labels."""
+    model = _model("builtin:tiny-qwen2")
+    inputs, _ = _batch(model)
+    hf_labels = inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, -100)  # [B, T]
+    hf_labels[0, :4] = -100
+    out = token_logprobs(model, inputs, labels=hf_labels, fused=fused)
+    scored = torch.cat([hf_labels[:, 1:] != -100, torch.zeros_like(hf_labels[:, :1], dtype=torch.bool)], 1)
+    hf_loss = model(**inputs, labels=hf_labels).loss
+    torch.testing.assert_close(-out.logps[scored].double().mean(), hf_loss.double(), rtol=1e-6, atol=1e-6)
+    assert (out.logps[~scored] == 0).all()
+    assert out.backend == ("torch-chunked" if fused else "unfused")
+
+
+def test_labels_and_targets_are_keyword_only_and_exclusive():
+    model = _model("builtin:tiny-qwen2")
+    inputs, targets = _batch(model)
+    with pytest.raises(TypeError):
+        token_logprobs(model, inputs, targets)  # positional: the convention would be a guess
+    with pytest.raises(TypeError, match="exactly one of labels="):
+        token_logprobs(model, inputs, labels=inputs["input_ids"], targets=targets)
+    with pytest.raises(TypeError, match="exactly one of labels="):
+        token_logprobs(model, inputs)

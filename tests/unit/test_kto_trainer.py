@@ -151,7 +151,7 @@ def _sequence_logps(model, prompt: list[int], completion: list[int]) -> torch.Te
     ids = torch.tensor([prompt + completion])
     mask = torch.tensor([[0] * len(prompt) + [1] * len(completion)])
     labels = position_labels(ids, mask)
-    return token_logprobs(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, labels, fused=False).logps.sum()
+    return token_logprobs(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, targets=labels, fused=False).logps.sum()
 
 
 def test_z0_and_loss_match_a_hand_computation_and_no_gradient_flows_through_z0(tmp_path, zen, warm_state):
@@ -206,8 +206,8 @@ def test_peft_reference_is_the_policy_with_its_adapter_disabled(tmp_path, zen):
     labels = position_labels(batch["input_ids"], batch["completion_mask"])
     inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
     with torch.no_grad():
-        expected = token_logprobs(base, inputs, labels, fused=False).logps.sum(-1)
-        adapted = token_logprobs(trainer.model, inputs, labels, fused=False).logps.sum(-1)
+        expected = token_logprobs(base, inputs, targets=labels, fused=False).logps.sum(-1)
+        adapted = token_logprobs(trainer.model, inputs, targets=labels, fused=False).logps.sum(-1)
     torch.testing.assert_close(batch["ref_logps"], expected, rtol=1e-5, atol=1e-5)
     assert (adapted - expected).abs().max() > 1e-3  # the adapter is on in the policy
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -78,3 +82,86 @@ def test_only_deepspeeds_build_report_line_is_dropped(capsys):
         print("DeepSpeed says something else")
         print("partial", end="")
     assert capsys.readouterr().out == "DeepSpeed says something else\npartial"
+
+
+def _environment(tmp_path, monkeypatch):
+    """A fake environment whose bin holds python and the real ninja of this one (a link)."""
+    from fusedalign.distributed import extensions
+
+    real = shutil.which("ninja", path=os.path.dirname(sys.executable)) or shutil.which("ninja")
+    if real is None:
+        pytest.skip("no ninja")
+    bin_dir = tmp_path / "env" / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "ninja").symlink_to(real)
+    monkeypatch.setattr(sys, "executable", str(bin_dir / "python"))
+    monkeypatch.setenv("PATH", os.pathsep.join(["/usr/local/bin", "/usr/bin", "/bin"]))
+    return extensions, bin_dir
+
+
+def test_builds_and_launches_use_the_environments_own_ninja(tmp_path, monkeypatch):
+    extensions, bin_dir = _environment(tmp_path, monkeypatch)
+    assert extensions.use_environment_ninja() == str(bin_dir / "ninja")  # first, whatever the system has
+    assert os.environ["PATH"].split(os.pathsep)[0] == str(bin_dir)
+    extensions.use_environment_ninja()
+    assert os.environ["PATH"].count(str(bin_dir)) == 1
+
+
+def _built_extension(tmp_path, command):
+    """A build directory laid out as torch's JIT leaves it, built by the environment's ninja."""
+    from fusedalign.distributed import extensions
+
+    builder = extensions._builder()
+    if builder is None or not builder.is_compatible():
+        pytest.skip("DeepSpeed does not use its CPU extension here")
+    directory = tmp_path / extensions.NAME
+    directory.mkdir()
+    sources = [builder.deepspeed_src_path(p) for p in builder.strip_empty_entries(builder.sources())]
+    (directory / "src.cpp").write_text("int x;\n")
+    (directory / "build.ninja").write_text("".join(f"# {s}\n" for s in sources) + f"rule cc\n  command = {command}\n"
+                                           f"build {extensions.NAME}.so: cc src.cpp\n")
+    subprocess.run([extensions.use_environment_ninja(), "-C", str(directory)], check=True, capture_output=True)
+    return extensions, directory
+
+
+def test_a_build_is_due_when_the_ninja_that_will_run_says_so(tmp_path, monkeypatch):
+    pytest.importorskip("deepspeed")
+    _environment(tmp_path, monkeypatch)
+    extensions, directory = _built_extension(tmp_path, "cp $in $out")
+    monkeypatch.setattr(extensions, "build_directory", lambda: directory)
+    assert not extensions.needs_build()  # built, and this ninja agrees
+    # Same sources, another command line (as another ninja version, or other flags, sees it):
+    text = (directory / "build.ninja").read_text().replace("cp $in $out", "cp -p $in $out")
+    (directory / "build.ninja").write_text(text)
+    assert extensions.needs_build()
+
+
+def test_a_rebuild_is_reported_even_when_it_was_not_predicted(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("deepspeed")
+    from fusedalign.distributed import extensions
+
+    library = tmp_path / f"{extensions.NAME}.so"
+    monkeypatch.setattr(extensions, "build_directory", lambda: tmp_path)
+    monkeypatch.setattr(extensions, "needs_build", lambda: False)
+    with extensions.visible_build(is_main=True):
+        pass  # nothing built: nothing said
+    assert capsys.readouterr().err == ""
+    with extensions.visible_build(is_main=True):
+        library.write_bytes(b"built")
+    err = capsys.readouterr().err
+    assert f"DeepSpeed's {extensions.NAME} was built in" in err and "ninja" in err
+    with extensions.visible_build(is_main=False):
+        library.write_bytes(b"built again")
+    assert capsys.readouterr().err == ""
+
+
+def test_build_directory_follows_torch_extensions_dir_as_torch_does(tmp_path, monkeypatch):
+    pytest.importorskip("deepspeed")
+    from torch.utils.cpp_extension import _get_build_directory
+
+    from fusedalign.distributed import extensions
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert extensions.build_directory() == Path(_get_build_directory(extensions.NAME, verbose=False))
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+    assert extensions.build_directory().parent.parent == Path(__import__("torch").utils.cpp_extension.get_default_build_root())

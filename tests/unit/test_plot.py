@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from fusedalign.plot import last_run, panel_titles, panels, plot_run
+from fusedalign.plot import constant_value, last_run, line_label, panel_titles, panels, plot_run
 
 
 def _write(tmp_path, records):
@@ -24,10 +24,35 @@ def test_train_and_eval_of_a_metric_share_a_panel():
     assert set(drawn["rewards/accuracies"]) == {"train", "eval"}
 
 
-def test_constant_zero_lines_and_empty_panels_are_left_out():
+def test_constant_lines_are_drawn_and_say_so():
     records = [{"step": s, "kl": 0.1 * s, "eval_kl": 0.0, "entropy": 0.0} for s in (1, 2, 3)]
     drawn = panels(records)  # KTO with a frozen reference: eval_kl is 0 throughout
-    assert list(drawn) == ["kl"] and list(drawn["kl"]) == ["train"]
+    assert list(drawn) == ["kl", "entropy"] and list(drawn["kl"]) == ["train", "eval"]
+    assert [line_label(k, v) for k, v in drawn["kl"].items()] == ["train", "eval = 0 throughout"]
+    assert constant_value(drawn["entropy"]["train"]) == 0.0
+
+
+def test_a_reward_that_is_always_zero_keeps_its_reward_and_loss_panels(tmp_path):
+    # GRPO where no completion is ever rewarded: every group has zero std, the loss is 0.
+    records = [{"step": s, "loss": 0.0, "reward": 0.0, "reward_std": 0.0, "frac_reward_zero_std": 1.0,
+                "rewards/zen_words/mean": 0.0, "kl": 0.0, "entropy": 6.0 - 0.1 * s} for s in (1, 2, 3, 4)]
+    _write(tmp_path, records)
+    titles = ["loss", "reward", "reward_std", "frac_reward_zero_std", "rewards/zen_words/mean", "kl", "entropy"]
+    assert panel_titles(str(tmp_path)) == titles
+    fig = _drawn_figure(tmp_path)
+    axes = {ax.get_title(): ax for ax in fig.axes if ax.get_title()}
+    assert list(axes) == titles
+    for title, ax in axes.items():
+        notes = [text.get_text() for text in ax.texts]
+        legend = [text.get_text() for text in ax.get_legend().get_texts()] if ax.get_legend() else []
+        if title == "entropy":
+            assert notes == [] and legend == []
+        else:
+            value = "1" if title == "frac_reward_zero_std" else "0"
+            assert notes == ["constant"] and legend == [f"train = {value} throughout"], (title, notes, legend)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
 
 
 def test_grpo_metrics_are_drawn_clip_ratios_on_one_panel():
@@ -38,7 +63,8 @@ def test_grpo_metrics_are_drawn_clip_ratios_on_one_panel():
     drawn = panels(records)
     assert list(drawn) == ["reward", "reward_std", "rewards/accuracy_reward/mean", "kl", "entropy",
                            "completions/mean_length", "clip_ratio"]
-    assert set(drawn["clip_ratio"]) == {"high_mean train", "region_mean train"}  # low_mean never clipped
+    assert set(drawn["clip_ratio"]) == {"low_mean train", "high_mean train", "region_mean train"}
+    assert constant_value(drawn["clip_ratio"]["low_mean train"]) == 0.0  # never clipped: drawn, and said
 
 
 def test_a_log_holding_two_appended_runs_draws_the_last():
@@ -99,4 +125,4 @@ def test_figure_title_clears_every_panel_title(tmp_path):
 
 def test_nothing_to_draw_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="holds no curve to draw"):
-        plot_run(str(_write(tmp_path, [{"step": 1, "eval_kl": 0.0, "learning_rate": 1e-3}])))
+        plot_run(str(_write(tmp_path, [{"step": 1, "eval_runtime": 0.5, "learning_rate": 1e-3}])))

@@ -122,7 +122,7 @@ def _padded(model, rows, fused):
     batch = _on(model, DPOCollator(pad_token_id=0)(rows))
     labels = position_labels(batch["input_ids"], batch["completion_mask"])
     inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
-    logps = token_logprobs(model, inputs, labels, fused=fused).logps  # [2B, T]
+    logps = token_logprobs(model, inputs, targets=labels, fused=fused).logps  # [2B, T]
     per_seq = [(labels[s][labels[s] != IGNORE_INDEX], logps[s][labels[s] != IGNORE_INDEX]) for s in range(len(labels))]
     return per_seq, _dpo_loss(logps.double().sum(-1).float(), _reference(rows))
 
@@ -130,7 +130,7 @@ def _padded(model, rows, fused):
 def _packed(model, rows, share, fused, **layout):
     batch = _on(model, preference_batch(rows, share_prompt=share, **layout))
     labels, seq = batch["labels"][0], batch["sequence_ids"][0]
-    logps = token_logprobs(model, attention_inputs(model, batch), batch["labels"], fused=fused).logps  # [1, L]
+    logps = token_logprobs(model, attention_inputs(model, batch), targets=batch["labels"], fused=fused).logps  # [1, L]
     per_seq = [(labels[seq == s], logps[0][seq == s]) for s in range(batch["scored_tokens"].shape[0])]
     return per_seq, _dpo_loss(sequence_logps(logps, batch), _reference(rows))
 
@@ -199,7 +199,7 @@ def test_a_step_split_by_token_budget_equals_one_padded_batch(share):
     for members in batches:
         batch = preference_batch([rows[i] for i in members], share_prompt=share)
         assert batch["input_ids"].shape[1] == sum(tokens[i] for i in members) <= 64
-        logps = token_logprobs(model, attention_inputs(model, batch), batch["labels"]).logps
+        logps = token_logprobs(model, attention_inputs(model, batch), targets=batch["labels"]).logps
         sums = sequence_logps(logps, batch)
         b = len(members)
         index = torch.tensor(members + [len(rows) + i for i in members])  # this micro-batch's rows of the reference
@@ -313,14 +313,14 @@ def test_kto_joint_reference_row_equals_its_two_padded_rows(name, attn, share):
             for r in ROWS["uneven"]]
     batch = _on(model, kto_batch(rows, share_prompt=share))
     labels, seq = batch["labels"][0], batch["sequence_ids"][0]
-    token_logps = token_logprobs(model, attention_inputs(model, batch), batch["labels"]).logps
+    token_logps = token_logprobs(model, attention_inputs(model, batch), targets=batch["labels"]).logps
     joint = sequence_logps(token_logps, batch)  # [2B]: completions, then KL partners
     padded_rows = [{"prompt_ids": r["prompt_ids"], "chosen_ids": r["completion_ids"],
                     "rejected_ids": r["kl_completion_ids"]} for r in rows]
     padded = _on(model, DPOCollator(pad_token_id=0)(padded_rows))
     padded_labels = position_labels(padded["input_ids"], padded["completion_mask"])
     logps = token_logprobs(model, {"input_ids": padded["input_ids"], "attention_mask": padded["attention_mask"]},
-                           padded_labels).logps
+                           targets=padded_labels).logps
     sums = logps.double().sum(-1).float()
     torch.testing.assert_close(joint, sums, **TOL)
     scored = padded_labels != IGNORE_INDEX

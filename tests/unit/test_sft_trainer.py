@@ -102,7 +102,7 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
 
 def _sequence_logps(trainer, batch, fused=True):
     labels = trainer.labels(batch)
-    return token_logprobs(trainer.model, trainer.model_inputs(batch), labels, fused=fused).logps, labels
+    return token_logprobs(trainer.model, trainer.model_inputs(batch), targets=labels, fused=fused).logps, labels
 
 
 @pytest.mark.parametrize(
@@ -129,7 +129,7 @@ def test_packed_batch_equals_each_sequence_alone(tmp_path, name, attn):
         # The control: one long causal sequence (positions never restart) scores differently,
         # so the comparison above would see any attention across the boundaries.
         leaky = dict(batch, position_ids=torch.arange(batch["input_ids"].shape[1])[None])
-        leaky_logps = token_logprobs(trainer.model, trainer.model_inputs(leaky), labels).logps
+        leaky_logps = token_logprobs(trainer.model, trainer.model_inputs(leaky), targets=labels).logps
     assert not torch.allclose(leaky_logps, packed, atol=1e-3)
 
 

@@ -55,7 +55,7 @@ def _sequence(model, prompt: list[int], completion: list[int]):
     labels = position_labels(ids, torch.tensor([[0] * len(prompt) + [1] * len(completion)]))
     with torch.no_grad():
         logits = model(input_ids=ids).logits.float()
-        logps = token_logprobs(model, {"input_ids": ids}, labels, fused=False).logps
+        logps = token_logprobs(model, {"input_ids": ids}, targets=labels, fused=False).logps
     return logps[0], labels[0], logits[0]
 
 

@@ -1,0 +1,111 @@
+"""Flags a TRL user types: their TRL meaning, or one line saying what runs here instead."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from importlib.metadata import version
+
+import pytest
+
+import fusedalign
+from fusedalign.cli import main
+from fusedalign.cli.training import peft_config_from
+from fusedalign.configs import ModelArguments
+from fusedalign.models import load_model
+
+TRAINING = ["dpo", "kto", "sft", "grpo"]
+
+
+@pytest.mark.parametrize("command", TRAINING)
+@pytest.mark.parametrize("flags", [["--use_vllm"], ["--use_vllm", "true"], ["--use_vllm=True"],
+                                   ["--vllm_mode", "colocate"]])
+def test_vllm_flags_are_one_line_naming_what_generates(command, flags, tmp_path, capsys):
+    assert main([command, *flags, "--output_dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "does not use vLLM" in err and "--use_cpu" not in err, err
+    assert ("--generation_backend" in err) == (command == "grpo"), err
+    assert not (tmp_path / "run").exists()
+
+
+def test_use_vllm_false_is_trls_default_and_changes_nothing(tmp_path):
+    out = tmp_path / "run"
+    assert main(["dpo", "--use_vllm", "false", "--max_steps", "1", "--eval_strategy", "no",
+                 "--output_dir", str(out)]) == 0
+    assert (out / "model.safetensors").is_file()
+
+
+def test_vllm_config_key_is_refused_too(tmp_path, capsys):
+    config = tmp_path / "run.yaml"
+    config.write_text("use_vllm: true\n")
+    assert main(["grpo", "--config", str(config), "--output_dir", str(tmp_path / "run")]) == 2
+    assert "--config key use_vllm: fusedalign does not use vLLM" in capsys.readouterr().err
+
+
+def _lora_layers(targets):
+    model = load_model("builtin:tiny-qwen2")
+    args = ModelArguments(use_peft=True, lora_target_modules=targets)
+    from peft import get_peft_model
+
+    peft_model = get_peft_model(model, peft_config_from(args))
+    return {name.rsplit(".lora_A", 1)[0].rsplit(".", 1)[-1] for name, _ in peft_model.named_parameters()
+            if ".lora_A." in name}
+
+
+def test_lora_target_modules_all_linear_is_pefts():
+    every_linear = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert _lora_layers(["all-linear"]) == every_linear == _lora_layers(None)  # lm_head excluded, as PEFT does
+    assert _lora_layers(["q_proj", "lm_head"]) == {"q_proj", "lm_head"}
+
+
+def test_all_linear_with_other_names_is_one_line(tmp_path, capsys):
+    assert main(["sft", "--use_peft", "--lora_target_modules", "all-linear", "lm_head", "--max_steps", "1",
+                 "--output_dir", str(tmp_path / "run")]) == 2
+    assert "all-linear already names every linear layer" in capsys.readouterr().err
+
+
+def test_version_names_ours_and_what_decides_a_run(capsys):
+    assert main(["--version"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith(f"fusedalign {fusedalign.__version__} (") and f"transformers {version('transformers')}" in line
+    done = subprocess.run([sys.executable, "-m", "fusedalign", "--version"], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == line
+
+
+def test_a_builtin_base_is_recorded_by_name_and_merge_leaves_it_alone(tmp_path, capsys):
+    adapter, merged = tmp_path / "adapter", tmp_path / "merged"
+    assert main(["sft", "--use_peft", "--max_steps", "2", "--eval_strategy", "no", "--output_dir", str(adapter)]) == 0
+    recorded = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert recorded == "builtin:tiny-qwen2"
+    capsys.readouterr()
+    assert main(["merge", str(adapter), str(merged)]) == 0
+    err = capsys.readouterr().err
+    assert "merged into a copy of its base model builtin:tiny-qwen2 (which is unchanged)" in err
+    assert (merged / "model.safetensors").is_file()
+
+
+def test_an_error_during_a_progress_bar_starts_a_line_of_its_own(monkeypatch, capsys):
+    from tqdm.auto import tqdm
+
+    from fusedalign import cli
+    from fusedalign.errors import CLIError
+
+    def fails_mid_bar(argv):
+        bar = tqdm(total=10, file=sys.stderr)
+        bar.update(3)
+        raise CLIError("row 3: bad")
+
+    monkeypatch.setitem(cli.COMMANDS, "dpo", fails_mid_bar)
+    assert main(["dpo"]) == 2
+    err = capsys.readouterr().err
+    assert "\nfusedalign dpo: error: row 3: bad" in err and err.rstrip().endswith("row 3: bad"), repr(err)
+
+
+def test_an_enum_valued_flag_is_named_as_typed(tmp_path, capsys):
+    data = tmp_path / "mine.jsonl"
+    data.write_text(json.dumps({"prompt": "p", "chosen": " a.", "rejected": " b."}) + "\n")
+    assert main(["dpo", "--model_name_or_path", "builtin:tiny-qwen2", "--dataset_name", str(data),
+                 "--eval_strategy", "steps", "--output_dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "--eval_strategy steps: " in err and "IntervalStrategy" not in err, err
