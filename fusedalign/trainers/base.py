@@ -55,6 +55,10 @@ class CheckpointError(ValueError):
     """A checkpoint cannot be resumed as asked (e.g. with another number of ranks mid-window)."""
 
 
+class MissingPartError(ValueError):
+    """A prepared micro-batch lacks a part its loss needs (or holds one the configuration does not use)."""
+
+
 @dataclass(frozen=True)
 class StepBatch:
     """A prepared micro-batch as a typed object; subclasses declare its parts as fields.
@@ -66,6 +70,15 @@ class StepBatch:
     def input_tokens(self) -> torch.Tensor:
         """Input tokens, padding excluded, as a 0-dim tensor on the batch's device."""
         raise NotImplementedError
+
+    def forward_tokens(self) -> int:
+        """Token positions the policy's forward runs over (padding included), from shapes alone:
+        Trainer's floating-point-operation count (`6 x tokens x parameters`), as it takes
+        `input_ids.numel()` of a dict. Default: the `input_ids` field's."""
+        input_ids = getattr(self, "input_ids", None)
+        if not isinstance(input_ids, torch.Tensor):
+            raise NotImplementedError(f"{type(self).__name__} has no input_ids field: define forward_tokens()")
+        return input_ids.numel()
 
 
 def is_prepared(batch: Any) -> bool:
@@ -157,6 +170,12 @@ class FusedAlignTrainer(Trainer):
         total = self.accelerator.reduce(local, reduction="sum")  # [items, input tokens] of the step, all ranks
         self._tokens_pending = self._tokens_pending.to(total.device) + total[1]
         return batch_samples, total[0].float()
+
+    def floating_point_ops(self, inputs: StepBatch | dict[str, Any]) -> int:
+        """Trainer's count (`6 x tokens x non-embedding parameters`), for typed batches too."""
+        if isinstance(inputs, StepBatch) and hasattr(self.model, "num_parameters"):
+            return 6 * inputs.forward_tokens() * self.model.num_parameters(exclude_embeddings=True)
+        return super().floating_point_ops(inputs)
 
     def _track_num_input_tokens(self, inputs):
         """Counted per step in `get_batch_samples` instead (one reduction a step, no host sync)."""

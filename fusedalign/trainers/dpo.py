@@ -32,6 +32,7 @@ from fusedalign.losses.dpo_metrics import DPOMetrics
 from fusedalign.trainers.policy import load_policy
 from fusedalign.trainers.preference import PreferenceTrainer
 from fusedalign.trainers.preference_inputs import check_models
+from fusedalign.trainers.preference_steps import DPOStepBatch, check_step_batch
 from fusedalign.trainers.reference import ROW_KEY, load_reference_model, precompute_reference
 
 
@@ -91,15 +92,15 @@ class DPOTrainer(PreferenceTrainer):
 
     # ------------------------------------------------------------------ the step
 
-    def count_items(self, inputs: dict[str, Any]) -> torch.Tensor:
+    def count_items(self, inputs: DPOStepBatch) -> torch.Tensor:
         """Pairs whose chosen and rejected both keep at least one completion token."""
-        return valid_pairs(self.rows.lengths(inputs)).sum()
+        return valid_pairs(self.rows.lengths(inputs.rows)).sum()
 
-    def prepare_step(self, model: nn.Module, batches: list[dict[str, Any]], mode: str) -> list[dict[str, Any]]:
-        """Adds `ref_logps` [2B], the reference's sequence log-probs, to every micro-batch, and
-        for the sft term the step's chosen tokens per pair (all micro-batches and ranks)."""
-        for batch in batches:
-            batch["ref_logps"] = self._reference_chosen_rejected_logps(model, batch).detach()
+    def prepare_step(self, model: nn.Module, batches: list[dict[str, Any]], mode: str) -> list[DPOStepBatch]:
+        """Each micro-batch with `ref_logps` [2B], the reference's sequence log-probs, and for the
+        sft term the step's chosen tokens per pair (all micro-batches and ranks)."""
+        refs = [self._reference_chosen_rejected_logps(model, batch).detach() for batch in batches]
+        per_pair = None
         if "sft" in self.args.loss_type:
             totals = torch.zeros(2, dtype=torch.float64, device=self.accelerator.device)
             for batch in batches:
@@ -107,9 +108,8 @@ class DPOTrainer(PreferenceTrainer):
                 half, valid = lengths.shape[0] // 2, valid_pairs(lengths)
                 totals += torch.stack([(lengths[:half] * valid).sum(), valid.sum()]).to(totals)
             totals = self.accelerator.reduce(totals, reduction="sum")
-            for batch in batches:
-                batch["sft_tokens_per_pair"] = totals[0] / totals[1].clamp(min=1)
-        return batches
+            per_pair = totals[0] / totals[1].clamp(min=1)
+        return [DPOStepBatch(batch, self.rows, ref, per_pair) for batch, ref in zip(batches, refs)]
 
     def _chosen_rejected_logps(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """Summed completion log-probs of `model`, `[2B]`: the B chosen, then the B rejected."""
@@ -137,26 +137,27 @@ class DPOTrainer(PreferenceTrainer):
 
     # ------------------------------------------------------------------ loss
 
-    def loss_and_metrics(self, model: nn.Module, inputs: dict[str, Any], mode: str) -> tuple[torch.Tensor, DPOMetrics]:
+    def loss_and_metrics(self, model: nn.Module, inputs: DPOStepBatch, mode: str) -> tuple[torch.Tensor, DPOMetrics]:
         args = self.args
-        labels, lengths = self.rows.labels(inputs), self.rows.lengths(inputs)
-        ref = inputs["ref_logps"]
-        sft_divisor = inputs.get("sft_tokens_per_pair")
+        check_step_batch("DPOTrainer", inputs, DPOStepBatch)
+        inputs.require(sft="sft" in args.loss_type)
+        rows, ref, sft_divisor = inputs.rows, inputs.ref_logps, inputs.sft_tokens_per_pair
+        labels, lengths = self.rows.labels(rows), self.rows.lengths(rows)
         opts = args.loss_options(self.bco_shift.delta if self.bco_shift is not None else 0.0, sft_divisor)
         row_loss = None
         if self._loss_aware(mode):
-            row_loss = self.rows.row_loss(inputs, pair_loss_gradient(ref, lengths, args.loss_plan, opts))
-        out = self.token_logprobs(model, self.rows.model_inputs(model, inputs), labels, logit_mean=True,
+            row_loss = self.rows.row_loss(rows, pair_loss_gradient(ref, lengths, args.loss_plan, opts))
+        out = self.token_logprobs(model, self.rows.model_inputs(model, rows), labels, logit_mean=True,
                                   entropy=True, argmax=True, row_loss=row_loss)
         # Summed in fp64 (then rounded once): the loss-aware head sums the same log-probs the
         # same way, so the loss it predicts is the loss computed here.
-        seq = self.rows.sums(out.logps, inputs)  # [2B]
+        seq = self.rows.sums(out.logps, rows)  # [2B]
         if self.bco_shift is not None and mode == "train":
             # BCO's reward shift: a running mean over every reward seen, this batch included.
             self._update_bco_shift(args.beta * (seq.detach() - ref.to(seq.dtype)))
             opts = args.loss_options(self.bco_shift.delta, sft_divisor)
         # The metrics TRL logs, from the head's own pass (0 on positions without a label).
-        sums = lambda values: self.rows.sums(values, inputs)  # noqa: E731
+        sums = lambda values: self.rows.sums(values, rows)  # noqa: E731
         return dpo_batch_loss(seq, ref, lengths, args.loss_plan, opts, logit_sums=sums(out.logit_mean),
                               entropy_sums=sums(out.entropy), correct=sums(out.argmax_match))
 

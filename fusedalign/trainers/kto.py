@@ -36,6 +36,7 @@ from fusedalign.losses import KTOMetrics, kl_from_sums, kl_sums, kto_batch_loss
 from fusedalign.trainers.policy import load_policy
 from fusedalign.trainers.preference import PreferenceTrainer
 from fusedalign.trainers.preference_inputs import check_models
+from fusedalign.trainers.preference_steps import KTOStepBatch, check_step_batch
 from fusedalign.trainers.reference import ROW_KEY, load_reference_model, precompute_reference
 
 
@@ -105,30 +106,30 @@ class KTOTrainer(PreferenceTrainer):
 
     # ------------------------------------------------------------------ the step
 
-    def count_items(self, inputs: dict[str, Any]) -> torch.Tensor:
+    def count_items(self, inputs: KTOStepBatch) -> torch.Tensor:
         """Examples with at least one completion token."""
-        return (self.rows.lengths(inputs) > 0).sum()
+        return (self.rows.lengths(inputs.rows) > 0).sum()
 
-    def prepare_step(self, model: nn.Module, batches: list[dict[str, Any]], mode: str) -> list[dict[str, Any]]:
-        """Adds `ref_logps` [B] to each micro-batch of one step, and the step's z0 as `kl` [].
+    def prepare_step(self, model: nn.Module, batches: list[dict[str, Any]], mode: str) -> list[KTOStepBatch]:
+        """Each micro-batch of one step with `ref_logps` [B], and with loss type kto the step's z0 as `kl` [].
 
         z0 sums the KL pairs of every micro-batch here and of every rank, then clamps.
         """
         sums = torch.zeros(2, device=self.accelerator.device)  # sum and count of KL log-ratios
+        refs = []
         with torch.no_grad():
             for batch in batches:
-                batch["ref_logps"], ref_kl = self._reference_pair_logps(model, batch)
+                ref, ref_kl = self._reference_pair_logps(model, batch)
+                refs.append(ref)
                 if self.args.uses_kl:
                     policy_kl = self._completion_logps(model, batch, prefix="kl_")
                     scored = self.rows.lengths(batch, "kl_") > 0
                     sums += torch.stack(kl_sums(policy_kl[scored], ref_kl.to(policy_kl)[scored])).to(sums.device)
-        z0 = torch.zeros((), device=self.accelerator.device)
+        z0 = None
         if self.args.uses_kl:
             sums = self.accelerator.reduce(sums, reduction="sum")
             z0 = kl_from_sums(sums[0], sums[1])
-        for batch in batches:
-            batch["kl"] = z0
-        return batches
+        return [KTOStepBatch(batch, self.rows, batch["label"], ref, z0) for batch, ref in zip(batches, refs)]
 
     def _completion_logps(self, model: nn.Module, rows: dict[str, torch.Tensor], prefix: str = "") -> torch.Tensor:
         """Summed completion log-probs `[S]` of `model`, one per sequence of `rows` (the keys with `prefix`)."""
@@ -159,12 +160,17 @@ class KTOTrainer(PreferenceTrainer):
 
     # ------------------------------------------------------------------ loss
 
-    def loss_and_metrics(self, model: nn.Module, inputs: dict[str, Any], mode: str) -> tuple[torch.Tensor, KTOMetrics]:
+    def loss_and_metrics(self, model: nn.Module, inputs: KTOStepBatch, mode: str) -> tuple[torch.Tensor, KTOMetrics]:
+        check_step_batch("KTOTrainer", inputs, KTOStepBatch)
+        inputs.require(kl=self.args.uses_kl)
+        rows = inputs.rows
         # The metrics TRL logs (logits/*, entropy) come from the head's own pass.
-        out = self.token_logprobs(model, self.rows.model_inputs(model, inputs), self.rows.labels(inputs),
+        out = self.token_logprobs(model, self.rows.model_inputs(model, rows), self.rows.labels(rows),
                                   logit_mean=True, entropy=True)
-        tokens = self.rows.lengths(inputs)  # [B]
-        sums = lambda values: self.rows.sums(values, inputs)  # noqa: E731
-        return kto_batch_loss(sums(out.logps), inputs["ref_logps"], inputs["kl"], inputs["label"], tokens > 0,
+        tokens = self.rows.lengths(rows)  # [B]
+        sums = lambda values: self.rows.sums(values, rows)  # noqa: E731
+        # Without a KL term the losses never read z0 (the metrics leave it out): a zero stands in.
+        kl = inputs.kl if inputs.kl is not None else inputs.ref_logps.new_zeros(())
+        return kto_batch_loss(sums(out.logps), inputs.ref_logps, kl, inputs.desirable, tokens > 0,
                               self.args.loss_options(), logit_sums=sums(out.logit_mean),
                               entropy_sums=sums(out.entropy), tokens=tokens)

@@ -9,9 +9,8 @@ routes the Trainer's dataloader and sampler hooks to the plan.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Callable, Mapping
 
-import torch
 from torch import nn
 
 from fusedalign.trainers.base import FusedAlignTrainer
@@ -37,9 +36,6 @@ class PreferenceTrainer(FusedAlignTrainer):
     @property
     def ref_model(self) -> nn.Module | None:
         return self.reference.model
-
-    def count_input_tokens(self, inputs: dict[str, Any]) -> torch.Tensor:
-        return self.rows.input_tokens(inputs)
 
     # ------------------------------------------------------------------ sampling
 

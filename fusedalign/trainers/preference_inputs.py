@@ -79,6 +79,12 @@ class RowLayout:
             return batch[prefix + "scored_tokens"]
         return (self.labels(batch, prefix) != IGNORE_INDEX).sum(-1)
 
+    def num_sequences(self, batch: Mapping[str, Any], prefix: str = "") -> int:
+        """S, the number of sequences the batch holds (from shapes alone)."""
+        if self.packed:
+            return batch[prefix + "scored_tokens"].shape[0]
+        return batch[prefix + "input_ids"].shape[0]
+
     def sums(self, values: torch.Tensor, batch: Mapping[str, Any], prefix: str = "") -> torch.Tensor:
         """Per-sequence sums [S] of per-position values [R, T] (0 where unscored), in fp64, rounded once
         to the values' dtype (float32 for booleans); differentiable."""

@@ -53,7 +53,7 @@ def _record(trainer: DPOTrainer) -> list[tuple]:
             preparing[0] = False
 
     def loss_and_metrics(model, inputs, mode):
-        events.append(("loss", mode, inputs["seam_tag"]))
+        events.append(("loss", mode, inputs.rows["seam_tag"]))
         return loss(model, inputs, mode)
 
     trainer.prepare_step, trainer.loss_and_metrics = prepare_step, loss_and_metrics

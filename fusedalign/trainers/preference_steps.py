@@ -1,0 +1,120 @@
+"""DPO's and KTO's prepared micro-batches: frozen, typed, their optional parts declared.
+
+Before these types the step's data travelled as keys added to the collated dict, and an
+absent key changed the maths without a word (DPO's `sft_tokens_per_pair` absent: the sft
+term divided by the micro-batch's own chosen tokens instead of the step's; KTO's `kl`
+absent would have been a KeyError only by luck of the code path). Here each part the loss
+reads is a field; a required one cannot be left out (the dataclass refuses), an optional
+one is a tensor or None with its meaning stated, and `require` refuses a batch whose
+optional parts are not exactly those the run's configuration needs, naming the part.
+
+The collated rows stay what the collator made (`rows`), read through the trainer's
+`RowLayout` (`layout`), which the batch carries so that it can count its own input tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
+
+from fusedalign.trainers.base import MissingPartError, StepBatch
+from fusedalign.trainers.preference_inputs import RowLayout
+
+
+def _check_shape(owner: str, name: str, value: Tensor | None, shape: tuple[int, ...]) -> None:
+    if value is not None and tuple(value.shape) != shape:
+        raise ValueError(f"{owner}.{name} has shape {tuple(value.shape)}; expected {shape}")
+
+
+def _require(owner: str, parts: dict[str, tuple[Tensor | None, bool, str]]) -> None:
+    """Refuses a missing part that is needed, or a present one that is not used: {name: (value, needed, why)}."""
+    for name, (value, needed, why) in parts.items():
+        if needed and value is None:
+            raise MissingPartError(f"{owner} has no {name}, which this configuration needs: {why}")
+        if not needed and value is not None:
+            raise MissingPartError(f"{owner} has {name}, which this configuration does not use: {why}")
+
+
+@dataclass(frozen=True)
+class DPOStepBatch(StepBatch):
+    """One DPO micro-batch, ready for the loss.
+
+    Attributes:
+        rows: the collated pairs (`DPOCollator` or `PackedDPOCollator`), B of them.
+        layout: how `rows` are read (padded or packed).
+        ref_logps: [2B] the reference's summed completion log-probs, chosen then rejected
+            (zeros when reference-free, as TRL's).
+        sft_tokens_per_pair: [] the optimizer step's chosen completion tokens per valid pair
+            (all micro-batches, all ranks), the divisor of the `sft` term; None: no `sft` term.
+    """
+
+    rows: dict[str, Any]
+    layout: RowLayout
+    ref_logps: Tensor
+    sft_tokens_per_pair: Tensor | None = None
+
+    def __post_init__(self):
+        _check_shape("DPOStepBatch", "ref_logps", self.ref_logps, (self.layout.num_sequences(self.rows),))
+        _check_shape("DPOStepBatch", "sft_tokens_per_pair", self.sft_tokens_per_pair, ())
+
+    def input_tokens(self) -> Tensor:
+        return self.layout.input_tokens(self.rows)
+
+    def forward_tokens(self) -> int:
+        return self.rows["input_ids"].numel()
+
+    def require(self, *, sft: bool) -> "DPOStepBatch":
+        """Refuses a batch whose `sft_tokens_per_pair` is absent though the loss has an `sft` term (or present
+        though it has none)."""
+        _require("DPOStepBatch", {"sft_tokens_per_pair": (
+            self.sft_tokens_per_pair, sft, "the sft term (a loss_type with 'sft') divides by the optimizer step's "
+            "chosen tokens per pair")})
+        return self
+
+
+@dataclass(frozen=True)
+class KTOStepBatch(StepBatch):
+    """One KTO micro-batch, ready for the loss.
+
+    Attributes:
+        rows: the collated examples (`KLPairCollator` or `PackedKTOCollator`), B of them.
+        layout: how `rows` are read (padded or packed).
+        desirable: [B] bool, each example's label.
+        ref_logps: [B] the reference's summed completion log-probs.
+        kl: [] the optimizer step's KL reference point z0 (clamped, detached); None: a loss
+            type without it (`apo_zero_unpaired`).
+    """
+
+    rows: dict[str, Any]
+    layout: RowLayout
+    desirable: Tensor
+    ref_logps: Tensor
+    kl: Tensor | None = None
+
+    def __post_init__(self):
+        b = self.layout.num_sequences(self.rows)
+        _check_shape("KTOStepBatch", "desirable", self.desirable, (b,))
+        _check_shape("KTOStepBatch", "ref_logps", self.ref_logps, (b,))
+        _check_shape("KTOStepBatch", "kl", self.kl, ())
+
+    def input_tokens(self) -> Tensor:
+        return self.layout.input_tokens(self.rows)
+
+    def forward_tokens(self) -> int:
+        return self.rows["input_ids"].numel()
+
+    def require(self, *, kl: bool) -> "KTOStepBatch":
+        """Refuses a batch whose `kl` is absent though the loss type needs z0 (or present though it does not)."""
+        _require("KTOStepBatch", {"kl": (self.kl, kl, "loss_type 'kto' subtracts the KL reference point z0; "
+                                         "'apo_zero_unpaired' has none")})
+        return self
+
+
+def check_step_batch(owner: str, inputs: Any, kind: type) -> None:
+    """Refuses anything but the trainer's own step batch in `loss_and_metrics` (e.g. a collated dict)."""
+    if not isinstance(inputs, kind):
+        raise TypeError(f"{owner}.loss_and_metrics takes a {kind.__name__} (made by prepare_step), "
+                        f"got {type(inputs).__name__}")
+
