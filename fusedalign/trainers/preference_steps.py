@@ -8,8 +8,8 @@ reads is a field; a required one cannot be left out (the dataclass refuses), an 
 one is a tensor or None with its meaning stated, and `require` refuses a batch whose
 optional parts are not exactly those the run's configuration needs, naming the part.
 
-The collated rows stay what the collator made (`rows`), read through the trainer's
-`RowLayout` (`layout`), which the batch carries so that it can count its own input tokens.
+The rows are the collated batch read as the one row layout (`data.packed_rows.PackedRows`,
+padded or packed), the same object the step's reference forward ran on.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 from torch import Tensor
 
 from fusedalign.trainers.base import MissingPartError, StepBatch
-from fusedalign.trainers.preference_inputs import RowLayout
+from fusedalign.data.packed_rows import PackedRows
 
 
 def _check_shape(owner: str, name: str, value: Tensor | None, shape: tuple[int, ...]) -> None:
@@ -42,28 +42,26 @@ class DPOStepBatch(StepBatch):
     """One DPO micro-batch, ready for the loss.
 
     Attributes:
-        rows: the collated pairs (`DPOCollator` or `PackedDPOCollator`), B of them.
-        layout: how `rows` are read (padded or packed).
+        rows: the B pairs' 2B sequences (chosen 0..B-1, then rejected), padded or packed.
         ref_logps: [2B] the reference's summed completion log-probs, chosen then rejected
             (zeros when reference-free, as TRL's).
         sft_tokens_per_pair: [] the optimizer step's chosen completion tokens per valid pair
             (all micro-batches, all ranks), the divisor of the `sft` term; None: no `sft` term.
     """
 
-    rows: dict[str, Any]
-    layout: RowLayout
+    rows: PackedRows
     ref_logps: Tensor
     sft_tokens_per_pair: Tensor | None = None
 
     def __post_init__(self):
-        _check_shape("DPOStepBatch", "ref_logps", self.ref_logps, (self.layout.num_sequences(self.rows),))
+        _check_shape("DPOStepBatch", "ref_logps", self.ref_logps, (self.rows.num_sequences,))
         _check_shape("DPOStepBatch", "sft_tokens_per_pair", self.sft_tokens_per_pair, ())
 
     def input_tokens(self) -> Tensor:
-        return self.layout.input_tokens(self.rows)
+        return self.rows.input_tokens()
 
     def forward_tokens(self) -> int:
-        return self.rows["input_ids"].numel()
+        return self.rows.forward_tokens()
 
     def require(self, *, sft: bool) -> "DPOStepBatch":
         """Refuses a batch whose `sft_tokens_per_pair` is absent though the loss has an `sft` term (or present
@@ -79,31 +77,29 @@ class KTOStepBatch(StepBatch):
     """One KTO micro-batch, ready for the loss.
 
     Attributes:
-        rows: the collated examples (`KLPairCollator` or `PackedKTOCollator`), B of them.
-        layout: how `rows` are read (padded or packed).
+        rows: the B examples' completions, padded or packed (their KL partners served the step's z0).
         desirable: [B] bool, each example's label.
         ref_logps: [B] the reference's summed completion log-probs.
         kl: [] the optimizer step's KL reference point z0 (clamped, detached); None: a loss
             type without it (`apo_zero_unpaired`).
     """
 
-    rows: dict[str, Any]
-    layout: RowLayout
+    rows: PackedRows
     desirable: Tensor
     ref_logps: Tensor
     kl: Tensor | None = None
 
     def __post_init__(self):
-        b = self.layout.num_sequences(self.rows)
+        b = self.rows.num_sequences
         _check_shape("KTOStepBatch", "desirable", self.desirable, (b,))
         _check_shape("KTOStepBatch", "ref_logps", self.ref_logps, (b,))
         _check_shape("KTOStepBatch", "kl", self.kl, ())
 
     def input_tokens(self) -> Tensor:
-        return self.layout.input_tokens(self.rows)
+        return self.rows.input_tokens()
 
     def forward_tokens(self) -> int:
-        return self.rows["input_ids"].numel()
+        return self.rows.forward_tokens()
 
     def require(self, *, kl: bool) -> "KTOStepBatch":
         """Refuses a batch whose `kl` is absent though the loss type needs z0 (or present though it does not)."""

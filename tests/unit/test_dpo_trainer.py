@@ -163,7 +163,7 @@ def test_metrics_and_item_counts_wait_for_nothing_on_the_host(tmp_path, zen, mon
             m.setattr(torch.Tensor, name, read_back)
         trainer.metrics.record("train", metrics)
         trainer.metrics.record("train", metrics)
-        _, total = trainer.get_batch_samples(iter([batch, batch, batch]), 3, batch.rows["input_ids"].device)
+        _, total = trainer.get_batch_samples(iter([batch, batch, batch]), 3, batch.rows.input_ids.device)
     assert float(total) == 3 * expected_pairs
     logged = trainer.metrics.read("train")
     stats = dict(metrics.stats())
@@ -419,7 +419,7 @@ def test_a_step_batch_missing_a_part_its_loss_needs_is_refused(tmp_path, zen):
     assert isinstance(prepared, DPOStepBatch)
     # Trainer's floating-point-operation count reads the typed batch as it reads the collated dict.
     assert trainer.floating_point_ops(prepared) == trainer.floating_point_ops(batch) > 0
-    chosen = (trainer.rows.labels(batch)[:4] != -100).sum()  # every pair of the batch keeps its tokens
+    chosen = (prepared.rows.labels[:4] != -100).sum()  # every pair of the batch keeps its tokens
     torch.testing.assert_close(prepared.sft_tokens_per_pair, chosen.double() / 4)
     with torch.no_grad():
         trainer.loss_and_metrics(trainer.model, prepared, "train")  # complete: accepted
@@ -429,7 +429,7 @@ def test_a_step_batch_missing_a_part_its_loss_needs_is_refused(tmp_path, zen):
         with pytest.raises(TypeError, match="takes a DPOStepBatch \\(made by prepare_step\\), got dict"):
             trainer.loss_and_metrics(trainer.model, batch, "train")
     with pytest.raises(TypeError, match="ref_logps"):
-        DPOStepBatch(batch, trainer.rows)  # noqa: the reference's log-probs are not optional
+        DPOStepBatch(prepared.rows)  # noqa: the reference's log-probs are not optional
     with pytest.raises(ValueError, match=r"DPOStepBatch.ref_logps has shape \(4,\); expected \(8,\)"):
         dataclasses.replace(prepared, ref_logps=prepared.ref_logps[:4])
 
