@@ -44,7 +44,7 @@ from fusedalign.head import unwrap_model
 
 __all__ = [
     "EXPLICIT_MASK_IMPLEMENTATIONS", "SUPPORTED_LAYER_TYPES", "PackedAttentionError", "additive_mask",
-    "attention_inputs", "block_mask", "check_mask_mapping", "check_packed_attention",
+    "attention_inputs", "block_mask", "mask_signature", "check_mask_mapping", "check_packed_attention",
     "check_preference_attention", "layer_windows", "visibility",
 ]
 
@@ -88,6 +88,14 @@ def attention_inputs(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[s
         check_mask_mapping(lm)
         kwargs["attention_mask"] = {kind: masks[w] for kind, w in needed.items()}
     return kwargs
+
+
+def mask_signature(model: nn.Module) -> tuple:
+    """What a packed row's forward arguments depend on besides the row: arguments built for one
+    model serve another with the same signature (a policy and its reference, usually)."""
+    lm = unwrap_model(model)
+    return (type(lm), lm.config._attn_implementation, tuple(layer_windows(lm).items()),
+            lm.get_input_embeddings().weight.dtype)
 
 
 def _mask(implementation: str, batch: dict[str, torch.Tensor], window: int | None, dtype: torch.dtype):

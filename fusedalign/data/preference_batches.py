@@ -47,19 +47,22 @@ the label is -100. Sequences are numbered as `DPOCollator` orders its rows: chos
 is sequence i, rejected is B + i (KTO: completion i, KL partner B + i), so `seq[:B]` and
 `seq[B:]` keep their meaning.
 
-**What a trainer does** (DPO; KTO alike; `fusedalign.trainers.preference_inputs` does it):
-1. kwargs = `fusedalign.attention.attention_inputs(model, batch)` once per batch; the policy
-   and the reference forward take the same kwargs, so the reference runs in the same layout.
-2. targets = batch["labels"] (already shifted); token log-probs [1, L] from
-   `token_logprobs(model, kwargs, targets=targets)`; per-sequence sums [2B] = `sequence_logps(logps, batch)` (fp64, as the
-   loss-aware head sums); lengths = batch["scored_tokens"].
+**What a trainer does** (DPO; KTO alike), through the one row layout,
+`fusedalign.data.packed_rows.PackedRows.from_packed(batch)` (`rows`):
+1. kwargs = `rows.model_inputs(model)`, built once per row and model signature
+   (`fusedalign.attention.attention_inputs`); the policy and the reference forward take the
+   same kwargs, so the reference runs in the same layout.
+2. token log-probs [1, L] from `token_logprobs(model, kwargs, targets=rows.labels)`; per-sequence
+   sums [2B] = `rows.sums(logps)` (fp64, as the loss-aware head sums; `sequence_logps` here
+   is the same sum over a batch dict); lengths = `rows.lengths()`.
 3. `count_items` = `valid_pairs(batch).sum()`: pairs whose chosen and rejected both keep a
    scored token, the unit of the global normaliser (pairs of the optimizer step, all ranks).
 4. Precomputed reference log-probs stay per pair, keyed by `row_key` (the collators'
    `row_keys=True`, the same hash as the padded collators'): sums of the same layout equal
    the padded ones to rounding, so either layout fills them.
-5. The loss-aware head takes per-position segments: `RowLoss(groups=sequence_pair, grad,
-   segments=sequence_ids)` (a row holds both sequences of a pair, and several pairs).
+5. The loss-aware head takes per-position segments: `rows.row_loss(grad)`, i.e.
+   `RowLoss(groups=sequence_pair, grad, segments=sequence_ids)` (a row holds both sequences
+   of a pair, and several pairs).
 """
 
 from __future__ import annotations
@@ -73,26 +76,23 @@ from torch import Tensor
 
 from .collators import row_keys
 from .formats import DataError
+from .packed_rows import group_tokens, pack_groups, segment_sums
 
-IGNORE_INDEX = -100
+__all__ = ["dpo_row_tokens", "kto_row_tokens", "pack_groups", "preference_batch", "kto_batch", "sequence_logps",
+           "valid_pairs", "PackedDPOCollator", "PackedKTOCollator"]
+
 CHOSEN, REJECTED = 0, 1  # roles of a DPO pair's sequences (KTO: completion, KL partner)
 
 
 def dpo_row_tokens(row: Mapping, share_prompt: bool = False) -> int:
     """Tokens a DPO pair occupies in a packed row (what a token budget counts)."""
-    return _tokens(len(row["prompt_ids"]), [len(row["chosen_ids"]), len(row["rejected_ids"])], share_prompt)
+    return group_tokens(len(row["prompt_ids"]), [len(row["chosen_ids"]), len(row["rejected_ids"])], share_prompt)
 
 
 def kto_row_tokens(row: Mapping, share_prompt: bool = False, kl: bool = True) -> int:
     """Tokens of a KTO example with its KL partner (`kl`) in one row: the reference's forward."""
     completions = [len(row["completion_ids"])] + ([len(row["kl_completion_ids"])] if kl else [])
-    return _tokens(len(row["prompt_ids"]), completions, share_prompt)
-
-
-def _tokens(prompt: int, completions: list[int], share_prompt: bool) -> int:
-    if share_prompt and prompt:
-        return prompt - 1 + sum(1 + c for c in completions)
-    return sum(prompt + c for c in completions)
+    return group_tokens(len(row["prompt_ids"]), completions, share_prompt)
 
 
 def preference_batch(rows: Sequence[Mapping], *, share_prompt: bool = False, pad_token_id: int = 0,
@@ -125,84 +125,6 @@ def _ids(row: Mapping, key: str, index: int) -> list[int]:
     return list(row[key])
 
 
-class _Row:
-    """The lists of one packed row, filled segment by segment."""
-
-    def __init__(self):
-        self.cols: dict[str, list[int]] = {k: [] for k in
-                                           ("input_ids", "position_ids", "completion_mask", "labels",
-                                            "segment_ids", "parent_ids", "sequence_ids")}
-        self.segments = 0
-
-    def add(self, ids: list[int], scored: list[int], start: int, parent: int, sequence: int) -> int:
-        """Appends a segment; returns its id (-1 for an empty one, which is not added)."""
-        if not ids:
-            return -1
-        segment, self.segments = self.segments, self.segments + 1
-        labels = [ids[t + 1] if scored[t + 1] else IGNORE_INDEX for t in range(len(ids) - 1)] + [IGNORE_INDEX]
-        c = self.cols
-        c["input_ids"] += ids
-        c["position_ids"] += range(start, start + len(ids))
-        c["completion_mask"] += scored
-        c["labels"] += labels
-        c["segment_ids"] += [segment] * len(ids)
-        c["parent_ids"] += [parent] * len(ids)
-        c["sequence_ids"] += [sequence if label != IGNORE_INDEX else -1 for label in labels]
-        return segment
-
-
-def pack_groups(groups: Sequence[tuple[list[int], list[list[int]]]], *, share_prompt: bool = False,
-                pad_token_id: int = 0, pad_to_multiple_of: int | None = None) -> dict[str, Tensor]:
-    """Packs groups (a prompt and the completions that share it) into one row.
-
-    Args:
-        groups: B (prompt ids, [completion ids, ...]) with the same number K of completions each.
-        share_prompt: one prefix per group (see the module docstring) instead of a prompt per completion.
-        pad_token_id: the id of padding tokens (only with `pad_to_multiple_of`).
-        pad_to_multiple_of: round L up with a padding segment (fixed shapes for compiled layers).
-
-    Returns:
-        input_ids, position_ids, completion_mask, labels, segment_ids, parent_ids,
-        sequence_ids: [1, L] long. sequence_pair, sequence_role, scored_tokens: [S] long
-        (S = K * B; completion k of group i is sequence k * B + i). sequence_tokens: [S]
-        long, prompt + completion of each sequence (the tokens a padded row holds, whatever
-        the layout). pair_tokens: [B] long, the tokens each group occupies.
-
-    Raises:
-        DataError: no groups, or groups with different numbers of completions.
-    """
-    if not groups:
-        raise DataError("a packed batch needs at least one row, got none")
-    k = len(groups[0][1])
-    if any(len(c) != k for _, c in groups):
-        raise DataError(f"every row of a packed batch needs {k} completion(s); got {[len(c) for _, c in groups]}")
-    b, row = len(groups), _Row()
-    pair_tokens = []
-    sequence_tokens = [len(prompt) + len(completions[j]) for j in range(k) for prompt, completions in groups]
-    for i, (prompt, completions) in enumerate(groups):
-        before = len(row.cols["input_ids"])
-        sequences = [j * b + i for j in range(k)]
-        if share_prompt and prompt:
-            parent = row.add(prompt[:-1], [0] * (len(prompt) - 1), 0, -1, -1)
-            for s, comp in zip(sequences, completions):
-                row.add(prompt[-1:] + comp, [0] + [1] * len(comp), len(prompt) - 1, parent, s)
-        else:
-            for s, comp in zip(sequences, completions):
-                row.add(prompt + comp, [0] * len(prompt) + [1] * len(comp), 0, -1, s)
-        pair_tokens.append(len(row.cols["input_ids"]) - before)
-    if pad_to_multiple_of:
-        extra = -len(row.cols["input_ids"]) % pad_to_multiple_of
-        row.add([pad_token_id] * extra, [0] * extra, 0, -1, -1)
-    batch = {key: torch.tensor([values], dtype=torch.long) for key, values in row.cols.items()}
-    seq = batch["sequence_ids"][0]
-    batch["scored_tokens"] = torch.bincount(seq[seq >= 0], minlength=k * b)
-    batch["sequence_pair"] = torch.arange(b).repeat(k)
-    batch["sequence_role"] = torch.arange(k).repeat_interleave(b)
-    batch["pair_tokens"] = torch.tensor(pair_tokens, dtype=torch.long)
-    batch["sequence_tokens"] = torch.tensor(sequence_tokens, dtype=torch.long)
-    return batch
-
-
 def sequence_logps(token_logps: Tensor, batch: Mapping[str, Tensor]) -> Tensor:
     """Sums per-position log-probs into their sequences, in fp64 (as the loss-aware head does).
 
@@ -213,10 +135,7 @@ def sequence_logps(token_logps: Tensor, batch: Mapping[str, Tensor]) -> Tensor:
     Returns:
         [S] in `token_logps`' dtype, differentiable.
     """
-    ids = batch["sequence_ids"].reshape(-1).to(token_logps.device)
-    sums = torch.zeros(batch["scored_tokens"].shape[0], dtype=torch.float64, device=token_logps.device)
-    # Unscored positions carry exactly 0 and add it to sequence 0: no host sync for a mask.
-    return sums.index_add(0, ids.clamp(min=0), token_logps.reshape(-1).double()).to(token_logps.dtype)
+    return segment_sums(token_logps, batch["sequence_ids"], batch["scored_tokens"].shape[0])
 
 
 def valid_pairs(batch: Mapping[str, Tensor]) -> Tensor:

@@ -55,6 +55,24 @@ class CheckpointError(ValueError):
     """A checkpoint cannot be resumed as asked (e.g. with another number of ranks mid-window)."""
 
 
+class MissingPartError(ValueError):
+    """A prepared micro-batch lacks a part its loss needs (or holds one the configuration does not use)."""
+
+
+def require_parts(owner: str, parts: dict[str, tuple[Any, bool, str]]) -> None:
+    """Refuses a missing part that is needed, or a present one that is not used.
+
+    Args:
+        owner: the batch type's name, for the message.
+        parts: {name: (value or None, needed, why it is needed)}.
+    """
+    for name, (value, needed, why) in parts.items():
+        if needed and value is None:
+            raise MissingPartError(f"{owner} has no {name}, which this configuration needs: {why}")
+        if not needed and value is not None:
+            raise MissingPartError(f"{owner} has {name}, which this configuration does not use: {why}")
+
+
 @dataclass(frozen=True)
 class StepBatch:
     """A prepared micro-batch as a typed object; subclasses declare its parts as fields.
@@ -67,9 +85,14 @@ class StepBatch:
         """Input tokens, padding excluded, as a 0-dim tensor on the batch's device."""
         raise NotImplementedError
 
-    def model_positions(self) -> int:
-        """Positions the model runs over (padding included), known on the host: Trainer's FLOP count."""
-        return getattr(self, "input_ids").numel()
+    def forward_tokens(self) -> int:
+        """Token positions the policy's forward runs over (padding included), from shapes alone:
+        Trainer's floating-point-operation count (`6 x tokens x parameters`), as it takes
+        `input_ids.numel()` of a dict. Default: the `input_ids` field's."""
+        input_ids = getattr(self, "input_ids", None)
+        if not isinstance(input_ids, torch.Tensor):
+            raise NotImplementedError(f"{type(self).__name__} has no input_ids field: define forward_tokens()")
+        return input_ids.numel()
 
 
 def is_prepared(batch: Any) -> bool:
@@ -148,11 +171,6 @@ class FusedAlignTrainer(Trainer):
     def _prepare_inputs(self, inputs):
         return inputs if isinstance(inputs, StepBatch) else super()._prepare_inputs(inputs)
 
-    def floating_point_ops(self, inputs) -> int:
-        if isinstance(inputs, StepBatch):
-            return super().floating_point_ops({"input_ids": torch.empty(inputs.model_positions(), device="meta")})
-        return super().floating_point_ops(inputs)
-
     def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
         batch_samples = []
         for _ in range(num_batches):
@@ -174,6 +192,12 @@ class FusedAlignTrainer(Trainer):
         total = self.accelerator.reduce(local, reduction="sum")  # [items, input tokens] of the step, all ranks
         self._tokens_pending = self._tokens_pending.to(total.device) + total[1]
         return batch_samples, total[0].float()
+
+    def floating_point_ops(self, inputs: StepBatch | dict[str, Any]) -> int:
+        """Trainer's count (`6 x tokens x non-embedding parameters`), for typed batches too."""
+        if isinstance(inputs, StepBatch) and hasattr(self.model, "num_parameters"):
+            return 6 * inputs.forward_tokens() * self.model.num_parameters(exclude_embeddings=True)
+        return super().floating_point_ops(inputs)
 
     def _track_num_input_tokens(self, inputs):
         """Counted per step in `get_batch_samples` instead (one reduction a step, no host sync)."""

@@ -2,7 +2,7 @@
 
 Chosen and rejected completions go through the policy in one forward (padded: rows `[:B]`
 chosen, `[B:]` rejected; `padding_free`: one row holding every sequence, `share_prompt`:
-each prompt once, `trainers/preference_inputs.py`); the reference, in whichever mode,
+each prompt once; one layout either way, `data/packed_rows.py`); the reference, in whichever mode,
 likewise, in the same layout, once per micro-batch in the step's preparation, before any
 policy forward: with the reference known, the policy's head can form its gradient in its
 own forward (the loss-aware head). Either way the trainer sees per-sequence sums `[2B]`.
@@ -18,6 +18,7 @@ from torch import nn
 
 from fusedalign.configs import DPOConfig
 from fusedalign.data import DPOCollator
+from fusedalign.data.packed_rows import PackedRows
 from fusedalign.data.preference_batches import PackedDPOCollator, dpo_row_tokens
 from fusedalign.data.splits import prepare_split
 from fusedalign.losses import (
@@ -32,6 +33,7 @@ from fusedalign.losses.dpo_metrics import DPOMetrics
 from fusedalign.trainers.policy import load_policy
 from fusedalign.trainers.preference import PreferenceTrainer
 from fusedalign.trainers.preference_inputs import check_models
+from fusedalign.trainers.preference_steps import DPOStepBatch, check_step_batch
 from fusedalign.trainers.reference import ROW_KEY, load_reference_model, precompute_reference
 
 
@@ -91,74 +93,75 @@ class DPOTrainer(PreferenceTrainer):
 
     # ------------------------------------------------------------------ the step
 
-    def count_items(self, inputs: dict[str, Any]) -> torch.Tensor:
+    def count_items(self, inputs: DPOStepBatch) -> torch.Tensor:
         """Pairs whose chosen and rejected both keep at least one completion token."""
-        return valid_pairs(self.rows.lengths(inputs)).sum()
+        return valid_pairs(inputs.rows.lengths()).sum()
 
-    def prepare_step(self, model: nn.Module, batches: list[dict[str, Any]], mode: str) -> list[dict[str, Any]]:
-        """Adds `ref_logps` [2B], the reference's sequence log-probs, to every micro-batch, and
+    def prepare_step(self, model: nn.Module, batches: list[dict[str, Any]], mode: str) -> list[DPOStepBatch]:
+        """Each micro-batch as its rows with `ref_logps` [2B], the reference's sequence log-probs, and
         for the sft term the step's chosen tokens per pair (all micro-batches and ranks)."""
-        for batch in batches:
-            batch["ref_logps"] = self._reference_chosen_rejected_logps(model, batch).detach()
+        rows = [self.rows_of(batch, per_group=2) for batch in batches]
+        refs = [self._reference_chosen_rejected_logps(model, b, r).detach() for b, r in zip(batches, rows)]
+        per_pair = None
         if "sft" in self.args.loss_type:
             totals = torch.zeros(2, dtype=torch.float64, device=self.accelerator.device)
-            for batch in batches:
-                lengths = self.rows.lengths(batch)
+            for r in rows:
+                lengths = r.lengths()
                 half, valid = lengths.shape[0] // 2, valid_pairs(lengths)
                 totals += torch.stack([(lengths[:half] * valid).sum(), valid.sum()]).to(totals)
             totals = self.accelerator.reduce(totals, reduction="sum")
-            for batch in batches:
-                batch["sft_tokens_per_pair"] = totals[0] / totals[1].clamp(min=1)
-        return batches
+            per_pair = totals[0] / totals[1].clamp(min=1)
+        return [DPOStepBatch(r, ref, per_pair) for r, ref in zip(rows, refs)]
 
-    def _chosen_rejected_logps(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _chosen_rejected_logps(self, model: nn.Module, rows: PackedRows) -> torch.Tensor:
         """Summed completion log-probs of `model`, `[2B]`: the B chosen, then the B rejected."""
-        out = self.token_logprobs(model, self.rows.model_inputs(model, inputs), self.rows.labels(inputs))
+        out = self.token_logprobs(model, rows.model_inputs(model), rows.labels)
         # Summed in fp64 and rounded once, as the policy's are: equal models give equal sums.
-        return self.rows.sums(out.logps, inputs)  # [2B]
+        return rows.sums(out.logps)  # [2B]
 
-    def _reference_chosen_rejected_logps(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The reference's `_chosen_rejected_logps`, `[2B]` (zeros when reference-free; looked up
-        when precomputed)."""
+    def _reference_chosen_rejected_logps(self, model: nn.Module, batch: dict[str, torch.Tensor],
+                                         rows: PackedRows) -> torch.Tensor:
+        """The reference's `_chosen_rejected_logps` of a batch's rows, `[2B]` (zeros when reference-free;
+        looked up by the batch's row keys when precomputed)."""
         if self.args.reference_free:
-            lengths = self.rows.lengths(batch)
-            return torch.zeros(lengths.shape[0], device=lengths.device)
+            return torch.zeros(rows.num_sequences, device=rows.input_ids.device)
         if self.reference_store is not None:
             if not self.reference_store.ready:
                 precompute_reference(self, self.reference_store, lambda b: self._reference_pairs(model, b))
             values = self.reference_store.lookup(batch[ROW_KEY])  # [B, 2]
             return torch.cat([values[:, 0], values[:, 1]])
-        return self.reference.run(model, lambda m: self._chosen_rejected_logps(m, batch))
+        return self.reference.run(model, lambda m: self._chosen_rejected_logps(m, rows))
 
     def _reference_pairs(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Reference log-probs of a batch, `[B, 2]`: chosen, rejected (the rows of the precomputed store)."""
-        logps = self.reference.run(model, lambda m: self._chosen_rejected_logps(m, batch))
+        rows = self.rows_of(batch, per_group=2)
+        logps = self.reference.run(model, lambda m: self._chosen_rejected_logps(m, rows))
         return torch.stack(logps.chunk(2), dim=-1)
 
     # ------------------------------------------------------------------ loss
 
-    def loss_and_metrics(self, model: nn.Module, inputs: dict[str, Any], mode: str) -> tuple[torch.Tensor, DPOMetrics]:
+    def loss_and_metrics(self, model: nn.Module, inputs: DPOStepBatch, mode: str) -> tuple[torch.Tensor, DPOMetrics]:
         args = self.args
-        labels, lengths = self.rows.labels(inputs), self.rows.lengths(inputs)
-        ref = inputs["ref_logps"]
-        sft_divisor = inputs.get("sft_tokens_per_pair")
+        check_step_batch("DPOTrainer", inputs, DPOStepBatch)
+        inputs.require(sft="sft" in args.loss_type)
+        rows, ref, sft_divisor = inputs.rows, inputs.ref_logps, inputs.sft_tokens_per_pair
+        labels, lengths = rows.labels, rows.lengths()
         opts = args.loss_options(self.bco_shift.delta if self.bco_shift is not None else 0.0, sft_divisor)
         row_loss = None
         if self._loss_aware(mode):
-            row_loss = self.rows.row_loss(inputs, pair_loss_gradient(ref, lengths, args.loss_plan, opts))
-        out = self.token_logprobs(model, self.rows.model_inputs(model, inputs), labels, logit_mean=True,
+            row_loss = rows.row_loss(pair_loss_gradient(ref, lengths, args.loss_plan, opts))
+        out = self.token_logprobs(model, rows.model_inputs(model), labels, logit_mean=True,
                                   entropy=True, argmax=True, row_loss=row_loss)
         # Summed in fp64 (then rounded once): the loss-aware head sums the same log-probs the
         # same way, so the loss it predicts is the loss computed here.
-        seq = self.rows.sums(out.logps, inputs)  # [2B]
+        seq = rows.sums(out.logps)  # [2B]
         if self.bco_shift is not None and mode == "train":
             # BCO's reward shift: a running mean over every reward seen, this batch included.
             self._update_bco_shift(args.beta * (seq.detach() - ref.to(seq.dtype)))
             opts = args.loss_options(self.bco_shift.delta, sft_divisor)
         # The metrics TRL logs, from the head's own pass (0 on positions without a label).
-        sums = lambda values: self.rows.sums(values, inputs)  # noqa: E731
-        return dpo_batch_loss(seq, ref, lengths, args.loss_plan, opts, logit_sums=sums(out.logit_mean),
-                              entropy_sums=sums(out.entropy), correct=sums(out.argmax_match))
+        return dpo_batch_loss(seq, ref, lengths, args.loss_plan, opts, logit_sums=rows.sums(out.logit_mean),
+                              entropy_sums=rows.sums(out.entropy), correct=rows.sums(out.argmax_match))
 
     def _loss_aware(self, mode: str) -> bool:
         """Whether the policy's head may form its gradient in the forward: fused, training,

@@ -17,11 +17,9 @@ import torch
 from torch import Tensor
 
 from fusedalign.head import IGNORE_INDEX
-from fusedalign.trainers.base import StepBatch
+from fusedalign.trainers.base import MissingPartError, StepBatch, require_parts
 
-
-class MissingPartError(ValueError):
-    """A prepared micro-batch lacks a part the loss needs (or has one it must not use)."""
+__all__ = ["GRPOMicroBatch", "MissingPartError"]
 
 
 @dataclass(frozen=True)
@@ -79,14 +77,8 @@ class GRPOMicroBatch(StepBatch):
 
     def require(self, *, old_logps: bool, ref_logps: bool, entropy_weight: bool) -> "GRPOMicroBatch":
         """Refuses a batch whose optional parts are not exactly those the configuration needs."""
-        for name, needed in (("old_logps", old_logps), ("ref_logps", ref_logps), ("entropy_weight", entropy_weight)):
-            present = getattr(self, name) is not None
-            if needed and not present:
-                raise MissingPartError(f"GRPOMicroBatch has no {name}, which this configuration needs: "
-                                       f"{_WHY[name]}")
-            if present and not needed:
-                raise MissingPartError(f"GRPOMicroBatch has {name}, which this configuration does not use: "
-                                       f"{_WHY[name]}")
+        require_parts("GRPOMicroBatch", {name: (getattr(self, name), needed, _WHY[name]) for name, needed in (
+            ("old_logps", old_logps), ("ref_logps", ref_logps), ("entropy_weight", entropy_weight))})
         return self
 
     def state(self) -> dict[str, Tensor | None]:

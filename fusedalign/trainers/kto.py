@@ -6,7 +6,7 @@ detached, as in TRL), and the reference on both, in one forward of the completio
 and the KL rows stacked. The policy's KL rows get their own no-grad forward rather than
 riding along with the completions: stacked, they would keep activations and cost
 backward work for outputs that are detached anyway. With `padding_free` each of the three
-forwards is one packed row (`trainers/preference_inputs.py`): the completions, the KL
+forwards is one packed row (`data/packed_rows.py`): the completions, the KL
 partners, and for the reference both in one row, where `share_prompt` computes the prompt
 a completion and its KL partner share once.
 
@@ -30,12 +30,14 @@ from torch import nn
 
 from fusedalign.configs import KTOConfig
 from fusedalign.data.kto import KLPairCollator, add_kl_pairs, stack_kl_rows, unpaired, warn_on_class_balance
+from fusedalign.data.packed_rows import PackedRows
 from fusedalign.data.preference_batches import PackedKTOCollator, kto_row_tokens
 from fusedalign.data.splits import prepare_split
 from fusedalign.losses import KTOMetrics, kl_from_sums, kl_sums, kto_batch_loss
 from fusedalign.trainers.policy import load_policy
 from fusedalign.trainers.preference import PreferenceTrainer
 from fusedalign.trainers.preference_inputs import check_models
+from fusedalign.trainers.preference_steps import KTOStepBatch, check_step_batch
 from fusedalign.trainers.reference import ROW_KEY, load_reference_model, precompute_reference
 
 
@@ -105,46 +107,48 @@ class KTOTrainer(PreferenceTrainer):
 
     # ------------------------------------------------------------------ the step
 
-    def count_items(self, inputs: dict[str, Any]) -> torch.Tensor:
+    def count_items(self, inputs: KTOStepBatch) -> torch.Tensor:
         """Examples with at least one completion token."""
-        return (self.rows.lengths(inputs) > 0).sum()
+        return (inputs.rows.lengths() > 0).sum()
 
-    def prepare_step(self, model: nn.Module, batches: list[dict[str, Any]], mode: str) -> list[dict[str, Any]]:
-        """Adds `ref_logps` [B] to each micro-batch of one step, and the step's z0 as `kl` [].
+    def prepare_step(self, model: nn.Module, batches: list[dict[str, Any]], mode: str) -> list[KTOStepBatch]:
+        """Each micro-batch of one step as its completions' rows with `ref_logps` [B], and with loss
+        type kto the step's z0 as `kl` [].
 
         z0 sums the KL pairs of every micro-batch here and of every rank, then clamps.
         """
         sums = torch.zeros(2, device=self.accelerator.device)  # sum and count of KL log-ratios
+        refs = []
         with torch.no_grad():
             for batch in batches:
-                batch["ref_logps"], ref_kl = self._reference_pair_logps(model, batch)
+                ref, ref_kl = self._reference_pair_logps(model, batch)
+                refs.append(ref)
                 if self.args.uses_kl:
-                    policy_kl = self._completion_logps(model, batch, prefix="kl_")
-                    scored = self.rows.lengths(batch, "kl_") > 0
+                    partners = self.rows_of(batch, prefix="kl_")
+                    policy_kl = self._completion_logps(model, partners)
+                    scored = partners.lengths() > 0
                     sums += torch.stack(kl_sums(policy_kl[scored], ref_kl.to(policy_kl)[scored])).to(sums.device)
-        z0 = torch.zeros((), device=self.accelerator.device)
+        z0 = None
         if self.args.uses_kl:
             sums = self.accelerator.reduce(sums, reduction="sum")
             z0 = kl_from_sums(sums[0], sums[1])
-        for batch in batches:
-            batch["kl"] = z0
-        return batches
+        return [KTOStepBatch(self.rows_of(batch), batch["label"], ref, z0) for batch, ref in zip(batches, refs)]
 
-    def _completion_logps(self, model: nn.Module, rows: dict[str, torch.Tensor], prefix: str = "") -> torch.Tensor:
-        """Summed completion log-probs `[S]` of `model`, one per sequence of `rows` (the keys with `prefix`)."""
-        out = self.token_logprobs(model, self.rows.model_inputs(model, rows, prefix), self.rows.labels(rows, prefix))
-        return self.rows.sums(out.logps, rows, prefix)
+    def _completion_logps(self, model: nn.Module, rows: PackedRows) -> torch.Tensor:
+        """Summed completion log-probs `[S]` of `model`, one per sequence of `rows`."""
+        out = self.token_logprobs(model, rows.model_inputs(model), rows.labels)
+        return rows.sums(out.logps)
 
     def _pair_logps(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """(completion log-probs `[B]`, KL partner log-probs `[B]`, zeros without KL) of `model`, one forward."""
         if not self.args.uses_kl:
-            logps = self._completion_logps(model, batch)
+            logps = self._completion_logps(model, self.rows_of(batch))
             return logps, torch.zeros_like(logps)
-        if self.rows.packed:  # both in one row (the prompt once with share_prompt)
-            logps = self._completion_logps(model, batch, prefix="joint_")  # [2B]
+        if self.args.padding_free:  # both in one row (the prompt once with share_prompt)
+            joint = self.rows_of(batch, prefix="joint_", per_group=2)
         else:
-            logps = self._completion_logps(model, stack_kl_rows(batch, self.data_collator.pad_token_id))  # [2B]
-        return logps.chunk(2)
+            joint = self.rows_of(stack_kl_rows(batch, self.data_collator.pad_token_id), per_group=2)
+        return self._completion_logps(model, joint).chunk(2)  # [2B]: completions, then KL partners
 
     def _reference_pair_logps(self, model: nn.Module,
                               batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,12 +163,16 @@ class KTOTrainer(PreferenceTrainer):
 
     # ------------------------------------------------------------------ loss
 
-    def loss_and_metrics(self, model: nn.Module, inputs: dict[str, Any], mode: str) -> tuple[torch.Tensor, KTOMetrics]:
+    def loss_and_metrics(self, model: nn.Module, inputs: KTOStepBatch, mode: str) -> tuple[torch.Tensor, KTOMetrics]:
+        check_step_batch("KTOTrainer", inputs, KTOStepBatch)
+        inputs.require(kl=self.args.uses_kl)
+        rows = inputs.rows
         # The metrics TRL logs (logits/*, entropy) come from the head's own pass.
-        out = self.token_logprobs(model, self.rows.model_inputs(model, inputs), self.rows.labels(inputs),
-                                  logit_mean=True, entropy=True)
-        tokens = self.rows.lengths(inputs)  # [B]
-        sums = lambda values: self.rows.sums(values, inputs)  # noqa: E731
-        return kto_batch_loss(sums(out.logps), inputs["ref_logps"], inputs["kl"], inputs["label"], tokens > 0,
+        out = self.token_logprobs(model, rows.model_inputs(model), rows.labels, logit_mean=True, entropy=True)
+        tokens = rows.lengths()  # [B]
+        sums = rows.sums
+        # Without a KL term the losses never read z0 (the metrics leave it out): a zero stands in.
+        kl = inputs.kl if inputs.kl is not None else inputs.ref_logps.new_zeros(())
+        return kto_batch_loss(sums(out.logps), inputs.ref_logps, kl, inputs.desirable, tokens > 0,
                               self.args.loss_options(), logit_sums=sums(out.logit_mean),
                               entropy_sums=sums(out.entropy), tokens=tokens)

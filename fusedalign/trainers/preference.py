@@ -1,22 +1,23 @@
-"""What DPO and KTO share: a reference, a row layout (padded or padding-free) and its sampling.
+"""What DPO and KTO share: a reference, their rows (padded or padding-free) and their sampling.
 
-`PreferenceTrainer` holds the three components a preference trainer sets up after
+`PreferenceTrainer` holds the components a preference trainer sets up after
 `Trainer.__init__` (`setup_preference`): the reference (`Reference`, with its optional
-precomputed store), the row layout (`RowLayout`: padded rows, or every sequence in one
-row) and the micro-batch plan (`MicroBatches`: a token budget, or length grouping), and
-routes the Trainer's dataloader and sampler hooks to the plan.
+precomputed store) and the micro-batch plan (`MicroBatches`: a token budget, or length
+grouping), routes the Trainer's dataloader and sampler hooks to the plan, and reads its
+collated batches as `PackedRows` (`rows_of`), the one row layout, whichever collator made them.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
-import torch
 from torch import nn
+
+from fusedalign.data.packed_rows import PackedRows
 
 from fusedalign.trainers.base import FusedAlignTrainer
 from fusedalign.trainers.policy import Policy
-from fusedalign.trainers.preference_inputs import MicroBatches, RowLayout
+from fusedalign.trainers.preference_inputs import MicroBatches
 from fusedalign.trainers.reference import PrecomputedLogps, Reference
 
 
@@ -30,16 +31,17 @@ class PreferenceTrainer(FusedAlignTrainer):
         self.reference = Reference.prepare(reference, self.accelerator, policy_is_peft=policy.is_peft, needed=needed,
                                            disable_dropout_=args.disable_dropout)
         self.reference_store = PrecomputedLogps() if args.precompute_ref_log_probs else None
-        self.rows = RowLayout(packed=args.padding_free)
         self.micro_batches = MicroBatches(args, row_tokens, padded_length)
         self.micro_batches.plan(self.train_dataset, self.accelerator.num_processes)
+
+    def rows_of(self, batch: Mapping[str, Any], prefix: str = "", per_group: int = 1) -> PackedRows:
+        """A collated batch's rows (the keys with `prefix`), `per_group` sequences a group when padded
+        (DPO's chosen rows then rejected rows: 2)."""
+        return PackedRows.from_collated(batch, packed=self.args.padding_free, prefix=prefix, per_group=per_group)
 
     @property
     def ref_model(self) -> nn.Module | None:
         return self.reference.model
-
-    def count_input_tokens(self, inputs: dict[str, Any]) -> torch.Tensor:
-        return self.rows.input_tokens(inputs)
 
     # ------------------------------------------------------------------ sampling
 

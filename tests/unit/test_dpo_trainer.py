@@ -4,6 +4,7 @@ weights, evaluation, precomputed reference), length grouping, and refusals."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import random
 from collections import Counter
@@ -20,7 +21,9 @@ from fusedalign.data.preference_batches import dpo_row_tokens
 from fusedalign.data.samplers import LengthGroupedSampler, TokenBudgetBatchSampler, padded_tokens, plan_micro_batches
 from fusedalign.losses import DPO_LOSSES, pairwise_dpo_losses
 from fusedalign.models import load_model
+from fusedalign.trainers.base import MissingPartError
 from fusedalign.trainers.dpo import DPOTrainer
+from fusedalign.trainers.preference_steps import DPOStepBatch
 from tests.head_calls import HeadCalls
 
 MODEL = "builtin:tiny-qwen2"
@@ -160,7 +163,7 @@ def test_metrics_and_item_counts_wait_for_nothing_on_the_host(tmp_path, zen, mon
             m.setattr(torch.Tensor, name, read_back)
         trainer.metrics.record("train", metrics)
         trainer.metrics.record("train", metrics)
-        _, total = trainer.get_batch_samples(iter([batch, batch, batch]), 3, batch["input_ids"].device)
+        _, total = trainer.get_batch_samples(iter([batch, batch, batch]), 3, batch.rows.input_ids.device)
     assert float(total) == 3 * expected_pairs
     logged = trainer.metrics.read("train")
     stats = dict(metrics.stats())
@@ -401,3 +404,39 @@ def test_packed_rows_refuse_what_cannot_run(tmp_path):
     with pytest.raises(DataError, match=r"row \d+: \d+ tokens in a packed row, over max_tokens_per_batch=60; raise"):
         DPOTrainer(model=load_model(MODEL), args=_args(tmp_path, padding_free=True, max_tokens_per_batch=60),
                    train_dataset=_edge_rows())
+
+
+def test_a_step_batch_missing_a_part_its_loss_needs_is_refused(tmp_path, zen):
+    """The sft term divides by the step's chosen tokens per pair: a prepared batch without that
+    part is refused by name (it used to be a dict key whose absence changed the divisor), as is
+    one that carries it for a loss without an sft term, a collated dict, and a batch without
+    reference log-probs or with the wrong number of them."""
+    torch.manual_seed(0)
+    trainer = DPOTrainer(model=load_model(MODEL), args=_args(tmp_path, loss_type=["sigmoid", "sft"],
+                                                            loss_weights=[1.0, 0.5]), train_dataset=zen)
+    batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    prepared = trainer.prepare_step(trainer.model, [batch], "train")[0]
+    assert isinstance(prepared, DPOStepBatch)
+    # Trainer's floating-point-operation count reads the typed batch as it reads the collated dict.
+    assert trainer.floating_point_ops(prepared) == trainer.floating_point_ops(batch) > 0
+    chosen = (prepared.rows.labels[:4] != -100).sum()  # every pair of the batch keeps its tokens
+    torch.testing.assert_close(prepared.sft_tokens_per_pair, chosen.double() / 4)
+    with torch.no_grad():
+        trainer.loss_and_metrics(trainer.model, prepared, "train")  # complete: accepted
+        with pytest.raises(MissingPartError, match="DPOStepBatch has no sft_tokens_per_pair, which this "
+                                                   "configuration needs: the sft term"):
+            trainer.loss_and_metrics(trainer.model, dataclasses.replace(prepared, sft_tokens_per_pair=None), "train")
+        with pytest.raises(TypeError, match="takes a DPOStepBatch \\(made by prepare_step\\), got dict"):
+            trainer.loss_and_metrics(trainer.model, batch, "train")
+    with pytest.raises(TypeError, match="ref_logps"):
+        DPOStepBatch(prepared.rows)  # noqa: the reference's log-probs are not optional
+    with pytest.raises(ValueError, match=r"DPOStepBatch.ref_logps has shape \(4,\); expected \(8,\)"):
+        dataclasses.replace(prepared, ref_logps=prepared.ref_logps[:4])
+
+    plain = DPOTrainer(model=load_model(MODEL), args=_args(tmp_path / "plain"), train_dataset=zen)
+    prepared = plain.prepare_step(plain.model, [batch], "train")[0]
+    assert prepared.sft_tokens_per_pair is None
+    with torch.no_grad(), pytest.raises(MissingPartError, match="has sft_tokens_per_pair, which this configuration "
+                                                                "does not use"):
+        plain.loss_and_metrics(plain.model, dataclasses.replace(prepared, sft_tokens_per_pair=torch.tensor(3.0)),
+                               "train")

@@ -7,6 +7,7 @@ tiny-qwen2, tiny-llama and tiny-gemma2 (eager; sdpa refused)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import random
@@ -23,7 +24,9 @@ from fusedalign.data.preference_batches import kto_row_tokens
 from fusedalign.data.samplers import TokenBudgetBatchSampler
 from fusedalign.head import token_logprobs
 from fusedalign.models import load_model, load_tokenizer
+from fusedalign.trainers.base import MissingPartError
 from fusedalign.trainers.kto import KTOTrainer
+from fusedalign.trainers.preference_steps import KTOStepBatch
 
 MODEL = "builtin:tiny-qwen2"
 ROWS = 24
@@ -186,7 +189,8 @@ def test_z0_and_loss_match_a_hand_computation_and_no_gradient_flows_through_z0(t
             losses.append(1 - torch.sigmoid(0.3 * (z0 - r)))
     expected = torch.stack(losses).mean()
     expected.backward()
-    torch.testing.assert_close(batch["kl"], torch.tensor(z0), rtol=1e-5, atol=0)
+    prepared = trainer.prepare_step(policy, [batch], "eval")[0]
+    torch.testing.assert_close(prepared.kl, torch.tensor(z0), rtol=1e-5, atol=0)
     assert torch.isclose(trainer.compute_loss(policy, batch).detach(), expected.detach(), rtol=1e-5)
     for name, param in policy.named_parameters():
         torch.testing.assert_close(got[name], param.grad, rtol=1e-4, atol=1e-7, msg=name)
@@ -201,14 +205,14 @@ def test_peft_reference_is_the_policy_with_its_adapter_disabled(tmp_path, zen):
     trainer = KTOTrainer(_policy(), args=_args(tmp_path, max_steps=2), train_dataset=zen, peft_config=lora)
     assert trainer.ref_model is None
     batch = _first_batch(trainer)
-    trainer.prepare_step(trainer.model, [batch], "eval")
+    prepared = trainer.prepare_step(trainer.model, [batch], "eval")[0]
     base = _policy()
     labels = position_labels(batch["input_ids"], batch["completion_mask"])
     inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
     with torch.no_grad():
         expected = token_logprobs(base, inputs, targets=labels, fused=False).logps.sum(-1)
         adapted = token_logprobs(trainer.model, inputs, targets=labels, fused=False).logps.sum(-1)
-    torch.testing.assert_close(batch["ref_logps"], expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(prepared.ref_logps, expected, rtol=1e-5, atol=1e-5)
     assert (adapted - expected).abs().max() > 1e-3  # the adapter is on in the policy
 
     lora_before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" in n}
@@ -568,3 +572,30 @@ def test_edge_rows_straddling_token_budgets_train_like_one_padded_batch(tmp_path
     assert got[0].micro_batches.budget.batches == plan
     assert min(want[2]) > 0
     _assert_same_logs(got, want)
+
+
+@pytest.mark.parametrize("loss_type", ["kto", "apo_zero_unpaired"])
+def test_a_step_batch_missing_a_part_its_loss_needs_is_refused(tmp_path, zen, loss_type):
+    """kto subtracts the step's z0: a prepared batch without it is refused by name (it used to be a
+    dict key), as is one that carries a z0 for apo_zero_unpaired, which has none; a collated dict
+    and a batch with reference log-probs for other rows are refused too."""
+    trainer = KTOTrainer(_policy(), args=_args(tmp_path, loss_type=loss_type), train_dataset=zen)
+    batch = _first_batch(trainer)
+    prepared = trainer.prepare_step(trainer.model, [batch], "train")[0]
+    assert isinstance(prepared, KTOStepBatch) and (prepared.kl is not None) == (loss_type == "kto")
+    assert prepared.desirable.tolist() == batch["label"].tolist()
+    with torch.no_grad():
+        trainer.loss_and_metrics(trainer.model, prepared, "train")  # complete: accepted
+        if loss_type == "kto":
+            missing = dataclasses.replace(prepared, kl=None)
+            with pytest.raises(MissingPartError, match="KTOStepBatch has no kl, which this configuration needs: "
+                                                       "loss_type 'kto' subtracts the KL reference point z0"):
+                trainer.loss_and_metrics(trainer.model, missing, "train")
+        else:
+            extra = dataclasses.replace(prepared, kl=torch.tensor(0.5))
+            with pytest.raises(MissingPartError, match="KTOStepBatch has kl, which this configuration does not use"):
+                trainer.loss_and_metrics(trainer.model, extra, "train")
+        with pytest.raises(TypeError, match="takes a KTOStepBatch \\(made by prepare_step\\), got dict"):
+            trainer.loss_and_metrics(trainer.model, batch, "train")
+    with pytest.raises(ValueError, match=r"KTOStepBatch.ref_logps has shape \(3,\); expected \(4,\)"):
+        dataclasses.replace(prepared, ref_logps=prepared.ref_logps[:3])

@@ -39,21 +39,23 @@ def _record(trainer: DPOTrainer) -> list[tuple]:
     ("reference forward", inside prepare_step); each prepared micro-batch gets a tag."""
     events: list[tuple] = []
     preparing = [False]
+    tag_of: dict[int, int] = {}  # id of a prepared micro-batch -> its tag
     prepare, loss = trainer.prepare_step, trainer.loss_and_metrics
 
     def prepare_step(model, batches, mode):
         tags = [len([e for e in events if e[0] == "prepare"]) * 100 + i for i in range(len(batches))]
-        for batch, tag in zip(batches, tags):
-            batch["seam_tag"] = tag
         events.append(("prepare", mode, tags))
         preparing[0] = True
         try:
-            return prepare(model, batches, mode)
+            prepared = prepare(model, batches, mode)
         finally:
             preparing[0] = False
+        for batch, tag in zip(prepared, tags):
+            tag_of[id(batch)] = tag
+        return prepared
 
     def loss_and_metrics(model, inputs, mode):
-        events.append(("loss", mode, inputs["seam_tag"]))
+        events.append(("loss", mode, tag_of[id(inputs)]))
         return loss(model, inputs, mode)
 
     trainer.prepare_step, trainer.loss_and_metrics = prepare_step, loss_and_metrics
