@@ -5,6 +5,7 @@ TRAINING_COMMANDS: dict[str, tuple[str, str]] = {
     "kto": ("fusedalign.configs.kto:KTOConfig", "fusedalign.trainers.kto:KTOTrainer"),
     "sft": ("fusedalign.configs.sft:SFTConfig", "fusedalign.trainers.sft:SFTTrainer"),
     "grpo": ("fusedalign.configs.grpo:GRPOConfig", "fusedalign.trainers.grpo:GRPOTrainer"),
+    "rloo": ("fusedalign.configs.rloo:RLOOConfig", "fusedalign.trainers.rloo:RLOOTrainer"),
 }
 
 

@@ -13,7 +13,7 @@ from typing import Any
 DEMO_MODEL = "builtin:tiny-qwen2"
 DEMO_DATASET = "builtin:zen"
 DEMO_CONFIGS = {"dpo": "standard_preference", "kto": "standard_unpaired_preference", "sft": "standard_language_modeling",
-                "grpo": "standard_prompt_only"}
+                "grpo": "standard_prompt_only", "rloo": "standard_prompt_only"}
 
 # Learning rate, schedule and length that train the tiny model visibly in a minute or two.
 DEMO_TRAINING: dict[str, dict[str, Any]] = {
@@ -30,10 +30,15 @@ DEMO_TRAINING: dict[str, dict[str, Any]] = {
     "grpo": dict(learning_rate=3e-3, max_steps=60, per_device_train_batch_size=64, num_generations=8,
                  num_iterations=2, beta=0.04, max_completion_length=16, lr_scheduler_type="constant",
                  warmup_steps=0, reward_funcs=["zen_words"]),
+    # GRPO's demo with RLOO's own loss and KL: the same 8 prompts x 8 completions, mu=2, a KL
+    # penalty in the reward (beta=0.04) against the initial weights.
+    "rloo": dict(learning_rate=3e-3, max_steps=60, per_device_train_batch_size=64, num_generations=8,
+                 num_iterations=2, beta=0.04, max_completion_length=16, lr_scheduler_type="constant",
+                 warmup_steps=0, reward_funcs=["zen_words"]),
 }
-DEMO_LOGGING_STEPS = {"dpo": 5, "kto": 5, "sft": 6, "grpo": 1}
-# Commands whose demo evaluates on the embedded test split (GRPO's demo only trains).
-DEMO_EVALUATES = {"dpo": True, "kto": True, "sft": True, "grpo": False}
+DEMO_LOGGING_STEPS = {"dpo": 5, "kto": 5, "sft": 6, "grpo": 1, "rloo": 1}
+# Commands whose demo evaluates on the embedded test split (GRPO's and RLOO's demos only train).
+DEMO_EVALUATES = {"dpo": True, "kto": True, "sft": True, "grpo": False, "rloo": False}
 # Flags that size a run: once one is given, the demo's logging interval may skip the whole run.
 _RUN_SIZE = frozenset({"logging_steps", "max_steps", "num_train_epochs", "per_device_train_batch_size",
                        "gradient_accumulation_steps"})
@@ -51,7 +56,7 @@ def demo_defaults(command: str, given: dict[str, Any]) -> dict[str, Any]:
     """The demo's values for what the user left out; {} when a model is named.
 
     Args:
-        command: "dpo", "kto", "sft" or "grpo".
+        command: "dpo", "kto", "sft", "grpo" or "rloo".
         given: the destinations the user set (flags or `--config` keys) and their values.
     """
     if "model_name_or_path" in given or command not in DEMO_CONFIGS:

@@ -4,6 +4,7 @@ from fusedalign.configs.common import FusedAlignConfig, ModelArguments, ScriptAr
 from fusedalign.configs.dpo import DPOConfig
 from fusedalign.configs.grpo import GRPOConfig
 from fusedalign.configs.kto import KTOConfig
+from fusedalign.configs.rloo import RLOOConfig
 from fusedalign.configs.sft import SFTConfig
 
-__all__ = ["DPOConfig", "FusedAlignConfig", "GRPOConfig", "KTOConfig", "ModelArguments", "SFTConfig", "ScriptArguments"]
+__all__ = ["DPOConfig", "FusedAlignConfig", "GRPOConfig", "KTOConfig", "ModelArguments", "RLOOConfig", "SFTConfig", "ScriptArguments"]

@@ -25,6 +25,7 @@ from .grpo_advantages import Advantages, group_advantages
 from .grpo_metrics import GRPOLossMetrics, RewardMetrics
 from .grpo_policy import LOSS_TYPES as GRPO_LOSS_TYPES
 from .grpo_policy import GRPOOptions
+from .rloo import RLOOLossOutput, rloo_advantages, rloo_loss
 from .kto import KTO_LOSSES, KTOLossOutput, KTOOptions, check_kto_args, kto_batch_loss, kto_losses
 from .kto_stats import KLSums, KTOMetrics, kl_estimate, kl_from_sums, kl_sums, kto_metrics
 from .sft import SFTMetrics, sft_batch_loss, sft_loss, sft_metrics
@@ -41,4 +42,6 @@ __all__ = [
     "Advantages", "GRPOLossMetrics", "GRPOLossOutput", "GRPOOptions", "GRPO_LOSS_TYPES", "GRPO_POLICY_TERMS",
     "RewardMetrics", "count_items", "entropy_threshold", "entropy_weight", "group_advantages", "grpo_loss",
     "high_entropy_mask",
+    # RLOO
+    "RLOOLossOutput", "rloo_advantages", "rloo_loss",
 ]

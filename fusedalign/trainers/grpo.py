@@ -34,7 +34,7 @@ from fusedalign.losses import (
 from fusedalign.rewards import RewardFunctions, load_reward_function, load_reward_functions
 from fusedalign.trainers.base import FusedAlignTrainer
 from fusedalign.trainers.grpo_batch import GRPOMicroBatch
-from fusedalign.trainers.grpo_rollout import GRPORollout, Split
+from fusedalign.trainers.grpo_rollout import GroupAdvantages, GRPORollout, Split
 from fusedalign.trainers.policy import load_policy
 from fusedalign.trainers.reference import Reference, load_reference_model
 
@@ -90,7 +90,12 @@ class GRPOTrainer(FusedAlignTrainer):
         self.rollout = self.checkpointed("grpo_rollout", GRPORollout(
             args, generator if generator is not None else _default_generator(args, tokenizer), reward_funcs,
             tokenizer, self.accelerator, self.metrics, lambda m, inputs, labels: self.token_logprobs(
-                m, inputs, labels).logps, self.reference, train_split, eval_split), per_rank=True)
+                m, inputs, labels).logps, self.reference, train_split, eval_split, self.advantage_strategy(args)),
+            per_rank=True)
+
+    def advantage_strategy(self, args: GRPOConfig) -> GroupAdvantages:
+        """The rollout's advantages (RLOO overrides it with its leave-one-out baseline)."""
+        return GroupAdvantages(args.scale_rewards, args.multi_objective_aggregation)
 
     @property
     def generator(self) -> Any:

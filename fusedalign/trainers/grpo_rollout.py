@@ -4,13 +4,18 @@ One generation window on this rank is generated, scored and cut into micro-batch
 
 1. generate the completions of the rank's share of the generation batch, on whole weights
    (`fusedalign.distributed.generation_weights`), with the fused head not installed;
-2. score them with the reward functions on this rank, gather the rewards of the whole
-   generation batch (every rank, in rank order, so groups that span ranks are whole) and
-   compute the group-relative advantages, identical on every rank, keeping this rank's;
+2. score them with the reward functions on this rank and gather the rewards of the whole
+   generation batch (every rank, in rank order, so groups that span ranks are whole);
 3. shuffle the rank's completions (seeded) and cut them into `steps_per_generation`
    micro-batches of `per_device_train_batch_size` rows;
 4. compute, on exactly those micro-batches, the old policy's log-probs (only when the
-   policy changes between generation and use) and the reference's (only when beta != 0).
+   policy changes between generation and use) and the reference's (only when beta != 0);
+5. compute the advantages with the trainer's advantage strategy, identical on every rank,
+   keeping this rank's: GRPO's group-relative ones (`GroupAdvantages`), or RLOO's
+   leave-one-out ones, whose rewards first lose beta x each completion's summed KL to the
+   reference (`kl_in_reward`: the policy's and the reference's log-probs of step 4 are then
+   always computed, the KL gathered like the rewards, and the reference's log-probs are not
+   kept in the micro-batch, whose loss has no KL term).
 
 A row's key is (its dataset row, its index within its group), from its position in the
 whole generation batch, so keyed sampling and replay give the same completion to the same
@@ -29,13 +34,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
 from fusedalign.data.grpo import completion_batch
 from fusedalign.distributed import generation_weights
-from fusedalign.losses import RewardMetrics, group_advantages
+from fusedalign.losses import Advantages, GRPOLossMetrics, RewardMetrics, group_advantages
+from fusedalign.losses.grpo_metrics import token_mean
 from fusedalign.metrics import Max, Mean, MetricSet, Min, logged_as
 from fusedalign.rewards import format_completions, reward_columns
 from fusedalign.trainers.base import CheckpointError
@@ -101,6 +107,31 @@ class Split:
 Scorer = Callable[[Any, dict, torch.Tensor], torch.Tensor]  # (model, inputs, labels) -> logps [b, T]
 
 
+class AdvantageStrategy(Protocol):
+    """Advantages of a generation batch: (rewards [N, K], weights [K], G, sequence KL [N] or None) -> Advantages.
+
+    `kl_in_reward`: the strategy takes each completion's summed KL to the reference (policy minus
+    reference log-probs over its loss tokens, at generation) when beta != 0; None otherwise.
+    """
+
+    kl_in_reward: bool
+
+    def __call__(self, rewards: torch.Tensor, weights: torch.Tensor, num_generations: int,
+                 sequence_kl: torch.Tensor | None) -> Advantages: ...
+
+
+@dataclass(frozen=True)
+class GroupAdvantages:
+    """GRPO's group-relative advantages (`losses.group_advantages`); the KL stays in the loss."""
+
+    scale_rewards: str
+    aggregation: str
+    kl_in_reward: bool = False
+
+    def __call__(self, rewards, weights, num_generations, sequence_kl=None) -> Advantages:
+        return group_advantages(rewards, weights, num_generations, self.scale_rewards, self.aggregation)
+
+
 class GRPORollout:
     """Generation, scoring and the training window; see the module docstring.
 
@@ -114,10 +145,14 @@ class GRPORollout:
         score: per-token log-probs of a model on a micro-batch (the trainer's `token_logprobs`).
         reference: the Trainer's `Reference` component.
         train_split, eval_split: the formats of the splits (None: no such split).
+        advantages: the advantage strategy; default: GRPO's, from args.scale_rewards and
+            args.multi_objective_aggregation.
     """
 
     def __init__(self, args: Any, generator: Any, reward_funcs: Any, tokenizer: Any, accelerator: Any, metrics: Any,
-                 score: Scorer, reference: Any, train_split: Split | None, eval_split: Split | None):
+                 score: Scorer, reference: Any, train_split: Split | None, eval_split: Split | None,
+                 advantages: AdvantageStrategy | None = None):
+        self.advantages = advantages or GroupAdvantages(args.scale_rewards, args.multi_objective_aggregation)
         self.args, self.generator, self.reward_funcs, self.tokenizer = args, generator, reward_funcs, tokenizer
         self.accelerator, self.metrics, self.score, self.reference = accelerator, metrics, score, reference
         self.splits = {"train": train_split, "eval": eval_split}
@@ -182,46 +217,75 @@ class GRPORollout:
             row_ids=[f"dataset row {k[0]} (from 0), generation {k[1]}" for k in keys],
         )  # [n, K]
         gathered = acc.gather(rewards.to(acc.device))  # [N, K], rank order = generation-batch order
-        adv = group_advantages(gathered, self.reward_funcs.weights, G, args.scale_rewards,
-                               args.multi_objective_aggregation)
+        truncated = torch.tensor(out.truncated)
+        batches, kl = self._cut(model, rows, prompt_ids, out, truncated, mode, key)
+        sequence_kl = None if kl is None else acc.gather(kl.sum(-1).to(acc.device))  # [N]
+        adv = self.advantages(gathered, self.reward_funcs.weights, G, sequence_kl)
         mine = slice(offset, offset + len(rows))
-        advantages, truncated = adv.advantages[mine], torch.tensor(out.truncated)
+        advantages = adv.advantages[mine]
         lengths = torch.tensor([len(c) for c in out.completion_ids])
-        self.metrics.record(mode, [
-            RewardMetrics.of(rewards, adv.rewards[mine].cpu(), adv.std_is_zero[mine].cpu(), self.reward_funcs.names),
-            CompletionMetrics.of(lengths, truncated, seconds),
-        ])
+        recorded = [RewardMetrics.of(rewards, adv.rewards[mine].cpu(), adv.std_is_zero[mine].cpu(),
+                                     self.reward_funcs.names), CompletionMetrics.of(lengths, truncated, seconds)]
+        if kl is not None:  # TRL logs the KL in the reward as `kl`: its mean over the loss tokens
+            recorded.append(GRPOLossMetrics(kl=token_mean(kl, self._mask(batches, kl))))
+        self.metrics.record(mode, recorded)
         if mode == "train":
             self.completion_log.add(trainer_state.global_step + 1, [r["prompt"] for r in rows], completions,
                                     rewards, self.reward_funcs.names, advantages)
-        return self._cut(model, rows, prompt_ids, out, advantages, truncated, mode, key)
+        return [b.replace(advantages=advantages[idx].to(b.labels.device)) for b, idx in batches]
 
-    def _cut(self, model: Any, rows: list, prompt_ids: list, out: Any, advantages: torch.Tensor,
-             truncated: torch.Tensor, mode: str, key: int) -> list[GRPOMicroBatch]:
-        """The window's micro-batches, each with the log-probs its loss needs."""
+    def _cut(self, model: Any, rows: list, prompt_ids: list, out: Any, truncated: torch.Tensor, mode: str,
+             key: int) -> tuple[list[tuple[GRPOMicroBatch, list[int]]], torch.Tensor | None]:
+        """The window's micro-batches (advantages still 0), each with the rows it holds and the
+        log-probs its loss needs; and, for a strategy with the KL in the reward and beta != 0,
+        the per-token KL [n, T] of this rank's rows in their order (0 off the loss tokens)."""
         args, device = self.args, self.accelerator.device
         loss_rows = ~truncated if args.mask_truncated_completions else None
         order = list(range(len(rows)))
         micro = args.per_device_train_batch_size if mode == "train" else len(rows)
         if len(rows) > micro:  # several micro-batches: decorrelate them (seeded, as TRL shuffles)
             order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(args.seed + key + 1)).tolist()
-        batches = []
+        batches, kls = [], {}
         for first in range(0, len(rows), micro):
             idx = order[first:first + micro]
             parts = completion_batch([prompt_ids[i] for i in idx], [out.completion_ids[i] for i in idx],
                                      self.tokenizer.pad_token_id, None if loss_rows is None else loss_rows[idx])
             batch = GRPOMicroBatch(input_ids=parts["input_ids"].to(device),
                                    attention_mask=parts["attention_mask"].to(device),
-                                   labels=parts["labels"].to(device), advantages=advantages[idx].to(device))
-            batches.append(self._with_fixed_logps(model, batch, mode))
-        return batches
+                                   labels=parts["labels"].to(device), advantages=torch.zeros(len(idx), device=device))
+            batch, kl = self._with_fixed_logps(model, batch, mode)
+            batches.append((batch, idx))
+            if kl is not None:
+                kls.update({i: kl[j] for j, i in enumerate(idx)})
+        if not kls:
+            return batches, None
+        width = max(k.shape[0] for k in kls.values())
+        return batches, torch.stack([torch.nn.functional.pad(kls[i], (0, width - kls[i].shape[0]))
+                                     for i in range(len(rows))])
 
-    def _with_fixed_logps(self, model: Any, batch: GRPOMicroBatch, mode: str) -> GRPOMicroBatch:
-        """Old-policy and reference log-probs [b, T] of a micro-batch, each only when it is needed."""
-        old = ref = None
+    @staticmethod
+    def _mask(batches: list, kl: torch.Tensor) -> torch.Tensor:
+        """[n, T] the loss tokens of this rank's rows in their order (as `kl`)."""
+        mask = torch.zeros(kl.shape, dtype=torch.bool, device=kl.device)
+        for batch, idx in batches:
+            m = batch.loss_mask
+            mask[idx, :m.shape[1]] = m.to(kl.device)
+        return mask
+
+    def _with_fixed_logps(self, model: Any, batch: GRPOMicroBatch,
+                          mode: str) -> tuple[GRPOMicroBatch, torch.Tensor | None]:
+        """Old-policy and reference log-probs [b, T] of a micro-batch, each only when it is needed;
+        and the per-token KL [b, T] (policy minus reference on the loss tokens) for a strategy
+        with the KL in the reward (else None)."""
+        old = ref = policy = kl = None
+        kl_in_reward = self.advantages.kl_in_reward and self.args.beta != 0.0
         with torch.no_grad():
+            if (mode == "train" and self.args.needs_old_logps) or kl_in_reward:
+                policy = self.score(model, batch.model_inputs, batch.labels)
             if mode == "train" and self.args.needs_old_logps:
-                old = self.score(model, batch.model_inputs, batch.labels)
+                old = policy
             if self.args.beta != 0.0:
                 ref = self.reference.run(model, lambda m: self.score(m, batch.model_inputs, batch.labels))
-        return batch.replace(old_logps=old, ref_logps=ref)
+            if kl_in_reward:
+                kl, ref = (policy - ref) * batch.loss_mask, None
+        return batch.replace(old_logps=old, ref_logps=ref), kl

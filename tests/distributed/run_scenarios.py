@@ -113,7 +113,7 @@ def build_trainer(spec: dict, out_dir: str):
         )
         config = spec.get("dataset_config", "standard_unpaired_preference")
         trainer_cls = KTOTrainer
-    elif trainer_name == "grpo":
+    elif trainer_name in ("grpo", "rloo"):
         return _grpo_trainer(spec, common, peft_config)
     else:
         raise ValueError(f"unknown trainer {trainer_name}")
@@ -128,28 +128,36 @@ def build_trainer(spec: dict, out_dir: str):
 
 
 def _grpo_trainer(spec: dict, common: dict, peft_config):
-    """GRPO on replayed completions (tests/grpo_replay.py): the training maths alone, the same on every backend."""
-    from fusedalign.configs import GRPOConfig
+    """GRPO or RLOO on replayed completions (tests/grpo_replay.py): the training maths alone, the same on
+    every backend."""
+    from fusedalign.configs import GRPOConfig, RLOOConfig
     from fusedalign.data import load_dataset_any
     from fusedalign.models import load_model, load_tokenizer
     from fusedalign.trainers.grpo import GRPOTrainer
+    from fusedalign.trainers.rloo import RLOOTrainer
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo
     from tests.grpo_replay import token_sum_reward, uneven_replay
 
     generations = spec.get("num_generations", 4)
-    args = GRPOConfig(
-        **common, num_generations=generations, max_completion_length=12, loss_type=spec.get("loss_type", "dapo"),
-        beta=spec.get("beta", 0.0), num_iterations=spec.get("num_iterations", 1), shuffle_dataset=False,
+    if spec["trainer"] == "rloo":
+        config, trainer_cls = RLOOConfig, RLOOTrainer
+        own = dict(normalize_advantages=spec.get("normalize_advantages", False),
+                   reward_clip_range=spec.get("reward_clip_range"), epsilon_high=spec.get("epsilon_high"))
+    else:
+        config, trainer_cls = GRPOConfig, GRPOTrainer
+        own = dict(loss_type=spec.get("loss_type", "dapo"), top_entropy_quantile=spec.get("top_entropy_quantile", 1.0))
+    args = config(
+        **common, num_generations=generations, max_completion_length=12, beta=spec.get("beta", 0.0),
+        num_iterations=spec.get("num_iterations", 1), shuffle_dataset=False,
         mask_truncated_completions=spec.get("mask_truncated_completions", False),
-        top_entropy_quantile=spec.get("top_entropy_quantile", 1.0), keyed_sampling=spec.get("keyed", False),
-        generation_backend=spec.get("generation_backend", "auto"),
+        keyed_sampling=spec.get("keyed", False), generation_backend=spec.get("generation_backend", "auto"), **own,
     )
     prompts = load_dataset_any("builtin:zen", "standard_prompt_only", split="train").select(range(32))
     replay = uneven_replay(32, generations, load_tokenizer("builtin:tiny-qwen2").eos_token_id,
                            truncate_every=spec.get("truncate_every", 4), truncate_rows=spec.get("truncate_rows", ()))
     # keyed: real generation (generation_weights on the backend) with draws that do not depend on the split.
-    return GRPOTrainer(load_model(spec.get("model", "builtin:tiny-qwen2")), reward_funcs=token_sum_reward, args=args,
+    return trainer_cls(load_model(spec.get("model", "builtin:tiny-qwen2")), reward_funcs=token_sum_reward, args=args,
                        train_dataset=prompts, peft_config=peft_config,
                        generator=None if spec.get("keyed") else _RecordedKeys(replay, common["output_dir"]))
 

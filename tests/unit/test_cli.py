@@ -89,6 +89,30 @@ def test_grpo_demo_learns_the_builtin_reward_and_writes_everything(tmp_path, cap
     assert "training builtin:tiny-qwen2 on builtin:zen/standard_prompt_only" in capsys.readouterr().err
 
 
+@pytest.mark.slow
+def test_rloo_demo_learns_the_builtin_reward(tmp_path, capsys):
+    """`fusedalign rloo` with no flags: GRPO's demo run with RLOO's advantage, KL and loss; the mean
+    reward of the last 5 generations is at least twice that of the first 5; the KL in the reward
+    starts at 0 and moves; the off-policy second update of each generation clips some sequences."""
+    out = tmp_path / "rloo"
+    assert main(["rloo", "--output_dir", str(out)]) == 0
+    records = [r for r in _records(out) if "loss" in r]
+    assert [r["step"] for r in records] == list(range(1, 61))
+    rewards = [r["reward"] for r in records if "reward" in r]
+    assert len(rewards) == 30 and sum(rewards[-5:]) / 5 >= 2 * sum(rewards[:5]) / 5, rewards
+    kls = [r["kl"] for r in records if "kl" in r]
+    assert kls[0] == 0 and any(k != 0 for k in kls), kls
+    clipped = [r["clip_ratio/region_mean"] for r in records]
+    assert max(clipped[1::2]) > 0 and not any(clipped[0::2]), clipped
+    assert "training builtin:tiny-qwen2 on builtin:zen/standard_prompt_only" in capsys.readouterr().err
+
+
+def test_rloo_refuses_a_grpo_loss_flag_in_one_line(tmp_path, capsys):
+    assert main(["rloo", "--loss_type", "grpo", "--output_dir", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert "--loss_type is an option of GRPO's loss; RLOO has none" in err and "Traceback" not in err
+
+
 def test_config_file_sets_defaults_and_flags_override(tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text("max_steps: 2\nbeta: 0.3\nloss_type: [sigmoid, sft]\nloss_weights: [1.0, 0.5]\nsave_strategy: 'no'\n")
@@ -154,7 +178,7 @@ def test_model_name_keeps_trls_learning_rate(tmp_path):
 # ------------------------------------------------------------------ help (items 1, 9, 15)
 
 
-TRAINING = ["dpo", "kto", "sft", "grpo"]
+TRAINING = ["dpo", "kto", "sft", "grpo", "rloo"]
 
 
 def test_the_tests_cover_every_command():
