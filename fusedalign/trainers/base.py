@@ -32,9 +32,6 @@ rank's GRPO generation window: its completions and the log-probs computed for th
 
 from __future__ import annotations
 
-import json
-import os
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,58 +42,13 @@ from fusedalign.distributed import prepare_trainer_process
 from fusedalign.head import TokenLogProbs, token_logprobs
 from fusedalign.metrics import Metrics, MetricsRecorder
 from fusedalign.trainers.callbacks import MetricsJSONLCallback
+from fusedalign.trainers.component_states import RANK_STATE_FILE, STATE_FILE, CheckpointError, ComponentStates
+from fusedalign.trainers.step_batch import PREPARED, MissingPartError, StepBatch, is_prepared, require_parts
 
-PREPARED = "_fusedalign_prepared"  # marks a micro-batch that went through prepare_step
-STATE_FILE = "fusedalign_state.json"  # checkpointed components, beside trainer_state.json
-RANK_STATE_FILE = "fusedalign_rank{rank}.pt"  # per-rank checkpointed components
+# The seam's types are re-exported here, where trainers and tests import them from.
 
-
-class CheckpointError(ValueError):
-    """A checkpoint cannot be resumed as asked (e.g. with another number of ranks mid-window)."""
-
-
-class MissingPartError(ValueError):
-    """A prepared micro-batch lacks a part its loss needs (or holds one the configuration does not use)."""
-
-
-def require_parts(owner: str, parts: dict[str, tuple[Any, bool, str]]) -> None:
-    """Refuses a missing part that is needed, or a present one that is not used.
-
-    Args:
-        owner: the batch type's name, for the message.
-        parts: {name: (value or None, needed, why it is needed)}.
-    """
-    for name, (value, needed, why) in parts.items():
-        if needed and value is None:
-            raise MissingPartError(f"{owner} has no {name}, which this configuration needs: {why}")
-        if not needed and value is not None:
-            raise MissingPartError(f"{owner} has {name}, which this configuration does not use: {why}")
-
-
-@dataclass(frozen=True)
-class StepBatch:
-    """A prepared micro-batch as a typed object; subclasses declare its parts as fields.
-
-    The base passes it through unchanged (`Trainer._prepare_inputs` is for the dicts a
-    collator makes) to `count_items` and `loss_and_metrics`.
-    """
-
-    def input_tokens(self) -> torch.Tensor:
-        """Input tokens, padding excluded, as a 0-dim tensor on the batch's device."""
-        raise NotImplementedError
-
-    def forward_tokens(self) -> int:
-        """Token positions the policy's forward runs over (padding included), from shapes alone:
-        Trainer's floating-point-operation count (`6 x tokens x parameters`), as it takes
-        `input_ids.numel()` of a dict. Default: the `input_ids` field's."""
-        input_ids = getattr(self, "input_ids", None)
-        if not isinstance(input_ids, torch.Tensor):
-            raise NotImplementedError(f"{type(self).__name__} has no input_ids field: define forward_tokens()")
-        return input_ids.numel()
-
-
-def is_prepared(batch: Any) -> bool:
-    return isinstance(batch, StepBatch) or bool(batch.get(PREPARED))
+__all__ = ["CheckpointError", "FusedAlignTrainer", "MissingPartError", "PREPARED", "RANK_STATE_FILE", "STATE_FILE",
+           "StepBatch", "is_prepared", "require_parts"]
 
 
 class FusedAlignTrainer(Trainer):
@@ -109,8 +61,7 @@ class FusedAlignTrainer(Trainer):
         # Trainer must not divide by the accumulation steps again.
         self.loss_is_scaled_for_ga = True
         self.metrics = MetricsRecorder(self.accelerator)
-        self._checkpointed: dict[str, Any] = {}
-        self._rank_checkpointed: dict[str, Any] = {}
+        self._components = ComponentStates()
         self._rng_pending: str | None = None  # a checkpoint whose RNG states are still to be restored
         self._tokens_pending = torch.zeros((), dtype=torch.float64, device=self.accelerator.device)
         self.add_callback(MetricsJSONLCallback())
@@ -153,8 +104,7 @@ class FusedAlignTrainer(Trainer):
         same_ranks=...)`, `same_ranks` False when another number of ranks wrote it (rank 0's
         state is then given to every rank; the component refuses what it cannot resume).
         """
-        (self._rank_checkpointed if per_rank else self._checkpointed)[name] = component
-        return component
+        return self._components.register(name, component, per_rank)
 
     # ---------------------------------------------------------------- the step
 
@@ -265,27 +215,12 @@ class FusedAlignTrainer(Trainer):
         """Every rank passes here before `trainer_state.json` (whose presence marks a complete
         checkpoint) is written: the components' states go in with the RNG states."""
         super()._save_rng_state(output_dir)
-        os.makedirs(output_dir, exist_ok=True)
-        if self._checkpointed and self.args.should_save:
-            state = {name: component.state_dict() for name, component in self._checkpointed.items()}
-            with open(os.path.join(output_dir, STATE_FILE), "w") as f:
-                json.dump(state, f, indent=1)
-        if self._rank_checkpointed:
-            state = {name: component.state_dict() for name, component in self._rank_checkpointed.items()}
-            state["num_processes"] = self.accelerator.num_processes
-            torch.save(state, os.path.join(output_dir, RANK_STATE_FILE.format(rank=self.accelerator.process_index)))
+        self._components.save(output_dir, self.accelerator, self.args.should_save)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
-        path = os.path.join(checkpoint, STATE_FILE) if checkpoint else None
-        if path and os.path.isfile(path):
-            with open(path) as f:
-                state = json.load(f)
-            for name, component in self._checkpointed.items():
-                if name in state:
-                    component.load_state_dict(state[name])
-        if checkpoint and self._rank_checkpointed:
-            self._load_rank_state(checkpoint)
+        if checkpoint:
+            self._components.load(checkpoint, self.accelerator)
         self._fusedalign_last_logged = self.state.global_step
         self._rng_pending = checkpoint
 
@@ -295,15 +230,3 @@ class FusedAlignTrainer(Trainer):
         if checkpoint is not None and checkpoint == self._rng_pending:
             super()._load_rng_state(checkpoint)
             self._rng_pending = None
-
-    def _load_rank_state(self, checkpoint: str) -> None:
-        path = os.path.join(checkpoint, RANK_STATE_FILE.format(rank=self.accelerator.process_index))
-        if not os.path.isfile(path):
-            path = os.path.join(checkpoint, RANK_STATE_FILE.format(rank=0))
-            if not os.path.isfile(path):
-                return  # a checkpoint written before these states existed
-        state = torch.load(path, map_location="cpu", weights_only=False)
-        same_ranks = state.pop("num_processes", None) == self.accelerator.num_processes
-        for name, component in self._rank_checkpointed.items():
-            if name in state:
-                component.load_state_dict(state[name], same_ranks=same_ranks)

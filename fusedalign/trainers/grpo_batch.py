@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from fusedalign.head import IGNORE_INDEX
-from fusedalign.trainers.base import MissingPartError, StepBatch, require_parts
+from fusedalign.trainers.step_batch import MissingPartError, StepBatch, require_parts
 
 __all__ = ["GRPOMicroBatch", "MissingPartError"]
 

@@ -44,7 +44,7 @@ from fusedalign.losses import Advantages, GRPOLossMetrics, RewardMetrics, group_
 from fusedalign.losses.grpo_metrics import token_mean
 from fusedalign.metrics import Max, Mean, MetricSet, Min, logged_as
 from fusedalign.rewards import format_completions, reward_columns
-from fusedalign.trainers.base import CheckpointError
+from fusedalign.trainers.component_states import CheckpointError
 from fusedalign.trainers.grpo_batch import GRPOMicroBatch
 from fusedalign.trainers.grpo_completions import CompletionLog
 

@@ -20,7 +20,7 @@ from typing import Any
 from torch import Tensor
 
 from fusedalign.data.packed_rows import PackedRows
-from fusedalign.trainers.base import StepBatch, require_parts
+from fusedalign.trainers.step_batch import StepBatch, require_parts
 
 
 def _check_shape(owner: str, name: str, value: Tensor | None, shape: tuple[int, ...]) -> None:
