@@ -84,7 +84,7 @@ def _padded_sums(model, groups) -> dict[tuple[int, int], torch.Tensor]:
         completion[r, p:len(ids)] = 1
     rows = PackedRows.from_padded(input_ids, attention, completion)
     with torch.no_grad():
-        sums = rows.sums(token_logprobs(model, rows.model_inputs(model), rows.labels, fused=False).logps)
+        sums = rows.sums(token_logprobs(model, rows.model_inputs(model), targets=rows.labels, fused=False).logps)
     return {(i, k): sums[r] for r, (i, k, _, _) in enumerate(seqs)}
 
 
@@ -94,7 +94,7 @@ def _packed_sums(model, groups, budget: int) -> dict[tuple[int, int], torch.Tens
     out = {}
     for members, rows in pack_prompt_groups(groups, budget, pad_to_multiple_of=budget):
         with torch.no_grad():
-            sums = rows.sums(token_logprobs(model, rows.model_inputs(model), rows.labels).logps)  # fused head
+            sums = rows.sums(token_logprobs(model, rows.model_inputs(model), targets=rows.labels).logps)  # fused head
         b = len(members)
         for i, member in enumerate(members):
             for k in range(G):
@@ -103,10 +103,17 @@ def _packed_sums(model, groups, budget: int) -> dict[tuple[int, int], torch.Tens
 
 
 @pytest.mark.parametrize("attn", ["eager", "flex_attention"])
-def test_per_sequence_sums_of_packed_prompt_groups_equal_the_padded_rows(attn):
-    """Flex attention's forward runs on CPU (its backward needs CUDA: tests/unit/test_attention.py)."""
+def test_per_sequence_sums_of_packed_prompt_groups_equal_the_padded_rows(attn, tmp_path, monkeypatch):
+    """Flex attention's forward runs on CPU (its backward needs CUDA: tests/unit/test_attention.py).
+
+    Its CPU kernel is compiled into a cache of this test's own: on 2026-12-04 a kernel that an
+    earlier run had left in the machine's shared inductor cache, reused here, gave NaN sums
+    (the same test passed with a fresh cache, every time)."""
     from torch.nn.attention.flex_attention import BlockMask
 
+    if attn == "flex_attention":
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+        torch._dynamo.reset()
     torch.manual_seed(0)
     model = load_model("builtin:tiny-qwen2", attn_implementation=attn)
     groups = _groups()
@@ -132,9 +139,9 @@ def test_control_without_the_shared_prompt_mask_the_sums_differ():
     kwargs = attention_inputs(model, {k: getattr(rows, k) for k in ("input_ids", "position_ids", "segment_ids",
                                                                      "parent_ids")})
     with torch.no_grad():
-        right = rows.sums(token_logprobs(model, kwargs, rows.labels, fused=False).logps)
+        right = rows.sums(token_logprobs(model, kwargs, targets=rows.labels, fused=False).logps)
         wrong = rows.sums(token_logprobs(model, {"input_ids": rows.input_ids, "position_ids": rows.position_ids},
-                                         rows.labels, fused=False).logps)
+                                         targets=rows.labels, fused=False).logps)
     assert float((right - wrong).abs().max()) > 1e-3
 
 
