@@ -170,7 +170,13 @@ def main(argv: list[str] | None = None) -> int:
             raise
         rank = os.environ.get("RANK", "0")
         if rank != "0" and not _training_started():
-            # Before training every rank checks the same flags, data and model: rank 0 says it.
+            # Before training every rank checks the same flags, data and model: rank 0 says it. But
+            # a rank that fails first has the launcher stop the others, rank 0 too, maybe before it
+            # speaks: under `fusedalign launch`, which holds every error line back and prints one,
+            # last, the other ranks say the same line too.
+            if os.environ.get("FUSEDALIGN_LAUNCHED"):
+                _fresh_line()
+                print(f"fusedalign {command}: error: {one_line(err)}", file=sys.stderr)
             return _exit_code(2)
         where = "" if rank == "0" else f" (rank {rank})"
         _fresh_line()
