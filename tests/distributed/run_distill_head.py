@@ -15,12 +15,10 @@ losses and entropies and which wrapper ran; DIR/<name>/model/ the final weights.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 
-from fusedalign.distributed import setup_distributed, teardown_distributed
+from run_scenarios import run_all, save_result  # a sibling: this script's folder is on the path
 
 
 def build_trainer(spec: dict, out_dir: str):
@@ -91,8 +89,6 @@ def _partitioned(model) -> bool:
 
 
 def run(spec: dict, out_root: str) -> None:
-    from fusedalign.distributed import prepare_final_save
-
     out_dir = os.path.join(out_root, spec["name"])
     trainer = build_trainer(spec, out_dir)
     trainer.train()
@@ -106,27 +102,8 @@ def run(spec: dict, out_root: str) -> None:
         "teacher_wrapper": type(trainer.teacher).__name__,
         "teacher_partitioned": trainer.teacher_partitioned,
     }
-    prepare_final_save(trainer)
-    trainer.save_model(os.path.join(out_dir, "model"))
-    if trainer.is_world_process_zero():
-        with open(os.path.join(out_dir, "result.json"), "w") as f:
-            json.dump(result, f, indent=1)
-    trainer.accelerator.wait_for_everyone()
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--spec", required=True)
-    parser.add_argument("--out", required=True)
-    cli = parser.parse_args()
-    setup_distributed()
-    with open(cli.spec) as f:
-        specs = json.load(f)
-    for spec in specs:
-        run(spec, cli.out)
-    teardown_distributed()
-    return 0
+    save_result(trainer, out_dir, result)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_all(run))

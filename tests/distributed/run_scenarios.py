@@ -179,8 +179,6 @@ class _RecordedKeys:
 
 
 def run(spec: dict, out_root: str) -> None:
-    from fusedalign.distributed import prepare_final_save
-
     out_dir = os.path.join(out_root, spec["name"])
     if spec.get("resume_at"):
         # A run stopped after checkpoint-K, then a new process group resuming from it.
@@ -224,6 +222,13 @@ def run(spec: dict, out_root: str) -> None:
     if spec.get("evaluate"):
         metrics = trainer.evaluate()
         result["eval"] = {k: v for k, v in metrics.items() if isinstance(v, float) and "runtime" not in k and "per_second" not in k}
+    save_result(trainer, out_dir, result)
+
+
+def save_result(trainer, out_dir: str, result: dict) -> None:
+    """The final model (whole, on any backend) and, from rank 0, `result.json`, for the test to compare."""
+    from fusedalign.distributed import prepare_final_save
+
     prepare_final_save(trainer)
     trainer.save_model(os.path.join(out_dir, "model"))
     if trainer.is_world_process_zero():
@@ -232,7 +237,8 @@ def run(spec: dict, out_root: str) -> None:
     trainer.accelerator.wait_for_everyone()
 
 
-def main() -> int:
+def run_all(run_one) -> int:
+    """A runner's main: `run_one(spec, out_root)` for every spec of --spec, in one process group."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--spec", required=True)
     parser.add_argument("--out", required=True)
@@ -241,10 +247,10 @@ def main() -> int:
     with open(cli.spec) as f:
         specs = json.load(f)
     for spec in specs:
-        run(spec, cli.out)
+        run_one(spec, cli.out)
     teardown_distributed()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_all(run))
