@@ -29,7 +29,7 @@ from fusedalign.errors import CLIError
 USAGE = ("usage: fusedalign launch [accelerate launch options] {dpo,kto,sft,grpo} [flags]\n"
          "  e.g. fusedalign launch --config_file configs/accelerate/cpu/zero3.yaml dpo --max_steps 6")
 
-ERROR_LINE = re.compile(r"^fusedalign \w+( \(rank \d+\))?: error: ")
+ERROR_LINE = re.compile(r"fusedalign \w+( \(rank \d+\))?: error: ")  # anywhere: ranks share the pipe
 TRACEBACK = re.compile(r"^(\[rank\d+\]:\s*)?Traceback \(most recent call last\):")
 CHAINED = re.compile(r"^(\[rank\d+\]:\s*)?(During handling of the above exception|The above exception was)")
 EXCEPTION = re.compile(r"^(\[rank\d+\]:\s*)?[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b")
@@ -85,9 +85,11 @@ class HeldOutput:
 
     def _line(self, line: str) -> None:
         bare = line.rsplit("\r", 1)[-1]
-        if ERROR_LINE.match(bare):
-            if self.error_line is None or ("(rank" in self.error_line and "(rank" not in bare):
-                self.error_line = bare  # rank 0's, when it speaks
+        if found := ERROR_LINE.search(bare):
+            # Another rank's unfinished progress bar may precede the error on the same line.
+            said = bare[found.start():]
+            if self.error_line is None or ("(rank" in self.error_line and "(rank" not in said):
+                self.error_line = said  # rank 0's, when it speaks
             self.held.append(line)
         elif self.error_line is not None or TRACEBACK.match(bare) or CHAINED.match(bare) or self.in_traceback:
             self.held.append(line)

@@ -69,6 +69,13 @@ def test_rank_zeros_line_is_preferred():
     assert last == "fusedalign dpo: error: x"
 
 
+def test_an_error_line_after_another_ranks_unfinished_progress_bar_is_held_and_said_last():
+    # Two ranks write to one pipe: rank 1's bar had not ended its line when rank 0 said the error.
+    bar = "Loading weights: 100%|##########| 27/27 [00:00<00:00, 1456.37it/s]"
+    written, last = _run(["\r" + bar[:20], bar[20:] + ERROR + "\n", bar + "\n"], failed=True)
+    assert last == ERROR and "error:" not in written
+
+
 def test_a_failure_without_our_line_shows_everything_it_held():
     written, last = _run(["step 1\n", GLOO_TRACEBACK, LAUNCHER_TRACEBACK], failed=True)
     assert last is None
