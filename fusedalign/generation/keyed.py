@@ -95,6 +95,13 @@ class KeyedSampler:
         self._prompt_length = prompt_length
         self.logprobs = []
 
+    def select(self, keep: Tensor) -> None:
+        """Keeps the bound rows `keep` [n] (indices into the bound batch), in that order: the decoding
+        loop's live rows after it set its finished rows aside."""
+        if self._rows is None:
+            raise RuntimeError("KeyedSampler: bind() the batch's row keys before selecting rows")
+        self._rows = self._rows.index_select(0, keep.to(self._rows.device))
+
     def draw(self, scores: Tensor, position: int) -> tuple[Tensor, Tensor]:
         """(tokens [B], their log-probs under the filtered softmax [B]) at completion `position`."""
         if self._rows is None or self._rows.shape[0] != scores.shape[0]:

@@ -29,7 +29,6 @@ it as it is). For anything else `generate` is called instead, with the same flag
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, Sequence
 
 import torch
@@ -40,36 +39,18 @@ from fusedalign.head import unwrap_model
 
 from .base import GenerationOutput, RowKey, cut_after_eos, left_pad
 from .hf import HFGenerate
-from .keyed import KeyedSampler, filter_logits
+from .decode_state import (
+    DecodeState,
+    cache_keyword,
+    cache_rows_selectable,
+    dtype_stable,
+    gumbel_max,
+    process_logits,
+    select_cache_rows,
+)
+from .keyed import KeyedSampler
 
 MASK_IMPLEMENTATIONS = ("sdpa", "eager")
-
-
-def process_logits(z: Tensor, seen: Tensor | None, *, repetition_penalty: float = 1.0, temperature: float = 1.0,
-                   top_k: int = 0, top_p: float = 1.0, min_p: float | None = None) -> Tensor:
-    """transformers' logits processors, in its order: repetition penalty, temperature, top-k, top-p, min-p.
-
-    Args:
-        z: [B, V] float32 logits of the next token.
-        seen: [B, V] bool, the tokens of the row so far (prompt padding included), or None
-            when `repetition_penalty` is 1.
-
-    Returns:
-        [B, V] float32 scores; filtered tokens hold the dtype's minimum.
-    """
-    if repetition_penalty != 1.0:
-        z = torch.where(seen, torch.where(z < 0, z * repetition_penalty, z / repetition_penalty), z)
-    return filter_logits(z / temperature, top_k, top_p, min_p)
-
-
-def gumbel_max(scores: Tensor) -> Tensor:
-    """[B] tokens drawn from softmax(scores [B, V]) as argmax(scores + Gumbel noise).
-
-    `torch.rand` draws from the device's default generator, which CUDA graphs replay with a
-    new offset each time. A uniform draw of exactly 0 gives -inf noise (never chosen).
-    """
-    u = torch.rand_like(scores)
-    return (scores - torch.log(-torch.log(u))).argmax(-1)
 
 
 class StaticDecode:
@@ -83,12 +64,16 @@ class StaticDecode:
         sampler: a KeyedSampler, which then draws every token (no CUDA graph).
         cuda_graphs: capture the decoding step as a CUDA graph on a CUDA device.
         check_every: tokens between two host-side checks that every row has finished.
+        compact_below: at a check, when at most this share of the batch's rows is still
+            decoding, those rows continue as a batch of their own (0: never), so that a window
+            of uneven lengths costs its tokens rather than its longest row times its rows.
     """
 
     def __init__(self, *, max_new_tokens: int, eos_token_id: int | Sequence[int], pad_token_id: int,
                  bos_token_id: int | None = None, do_sample: bool = True, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = 0, min_p: float | None = None, repetition_penalty: float = 1.0,
-                 sampler: KeyedSampler | None = None, cuda_graphs: bool = True, check_every: int = 16):
+                 sampler: KeyedSampler | None = None, cuda_graphs: bool = True, check_every: int = 16,
+                 compact_below: float = 0.5):
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         self.max_new_tokens = max_new_tokens
@@ -101,11 +86,16 @@ class StaticDecode:
                                min_p=min_p if do_sample else None)
         self.cuda_graphs = cuda_graphs
         self.check_every = max(1, check_every)
+        if not 0 <= compact_below < 1:
+            raise ValueError(f"compact_below must be in [0, 1), got {compact_below}")
+        self.compact_below = compact_below
         self.fallback = HFGenerate(max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
                                    bos_token_id=bos_token_id, do_sample=do_sample, temperature=temperature,
                                    top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
                                    sampler=sampler)
-        self.last_call: dict[str, Any] = {}  # how the last call ran: "path", "graph", "steps" (tokens drawn)
+        # How the last call ran: "path", "graph", "graphs" (captured), "steps" (tokens drawn),
+        # "batch_sizes" (the rows decoded, then after each compaction).
+        self.last_call: dict[str, Any] = {}
 
     @classmethod
     def from_args(cls, args: Any, tokenizer: Any, sampler: KeyedSampler | None = None) -> "StaticDecode":
@@ -157,131 +147,81 @@ class StaticDecode:
         L = P + self.max_new_tokens
         input_ids, prompt_mask = input_ids.to(device), prompt_mask.to(device)
         lm = unwrap_model(model)
-        cache = {_cache_keyword(lm): _dtype_stable(StaticCache(config=lm.config, max_cache_len=L))}
+        cache = dtype_stable(StaticCache(config=lm.config, max_cache_len=L))
+        keyword = cache_keyword(lm)
         # Positions as generate gives them to left-padded rows.
         positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
         if self.sampler is not None:
             self.sampler.bind(row_keys, P, step)
-        state = _State(self, B, L, P, device, input_ids, prompt_mask, lm)
+        state = DecodeState(self, B, L, P, device, input_ids, prompt_mask, lm)
         out = model(input_ids=input_ids, attention_mask=prompt_mask, position_ids=positions, use_cache=True,
-                    logits_to_keep=1, **cache)
+                    logits_to_keep=1, **{keyword: cache})
         state.take(out.logits[:, -1].float(), first=True)
         state.position.copy_(positions[:, -1:] + 1)
+        tokens = state.tokens  # [B, max_new_tokens]: each row's tokens, written back at every compaction
+        logprobs = state.logprobs
+        rows = torch.arange(B, device=device)  # the row of the whole batch each live row is
 
-        def decode_step():
+        def decode_step():  # reads `state` as it is bound when it runs: compaction rebinds it
             logits = model(input_ids=state.token, attention_mask=state.open_slot(), position_ids=state.position,
-                           use_cache=True, logits_to_keep=1, **cache).logits
+                           use_cache=True, logits_to_keep=1, **{keyword: cache}).logits
             state.take(logits[:, -1].float())
 
-        graph = None
         remaining = self.max_new_tokens - 1
-        use_graph = (self.cuda_graphs and device.type == "cuda" and self.sampler is None and remaining > 1)
-        done = 0
-        if use_graph:
-            stream = torch.cuda.Stream(device)
-            stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):
-                decode_step()  # the warm-up step: a real step, eager
-            torch.cuda.current_stream(device).wait_stream(stream)
-            done = 1
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                decode_step()  # recorded, not run
+        use_graphs = self.cuda_graphs and device.type == "cuda" and self.sampler is None
+        graph, done, graphs, sizes = None, 0, 0, [B]
         while done < remaining:
-            if graph is not None:
+            if use_graphs and graph is None and remaining - done > 1:
+                graph = _capture(decode_step, device)  # its warm-up is a real step, eager
+                graphs += 1
+            elif graph is not None:
                 graph.replay()
             else:
                 decode_step()
             done += 1
-            if done % self.check_every == 0 and bool(state.finished.all()):
+            if done % self.check_every:
+                continue
+            live = ~state.finished
+            left = int(live.sum())
+            if left == 0:
                 break
-        self.last_call = {"path": "static", "graph": graph is not None, "steps": 1 + done}
-        tokens = state.tokens.clone()
-        logprobs = state.logprobs.clone() if state.logprobs is not None else None
+            if self._compacts(left, state.rows, cache) and done < remaining:
+                keep = live.nonzero()[:, 0]
+                _write_back(state, rows, tokens, logprobs)
+                del graph  # its memory pool goes with it
+                graph, rows = None, rows.index_select(0, keep)
+                state = state.select(keep)
+                select_cache_rows(cache, keep)
+                if self.sampler is not None:
+                    self.sampler.select(keep)
+                sizes.append(left)
+        _write_back(state, rows, tokens, logprobs)
+        self.last_call = {"path": "static", "graph": graphs > 0, "graphs": graphs, "steps": 1 + done,
+                          "batch_sizes": sizes}
         del graph, cache
         return tokens, logprobs
 
-
-def _dtype_stable(cache: Any) -> Any:
-    """The static cache, each layer's keys and values kept in the dtype of its first keys.
-
-    Under autocast a float32 model's keys come out of the rotary embedding in float32 (it
-    promotes) and its values out of `v_proj` in bfloat16. A dynamic cache stores each as it
-    comes; a static one copies into buffers it allocates at the first update, and transformers
-    5.17 allocates both in the keys' dtype, so `index_copy_` refused the values (the first
-    generation of a float32 model with `bf16` on, on CUDA). Cast to the keys' dtype, then to
-    the buffers': exact (bfloat16 widens to float32 without loss), and the attention casts
-    both to autocast's dtype anyway, so it sees the values a dynamic cache gives it.
-    """
-    for layer in getattr(cache, "layers", []):
-        update = layer.update
-
-        def update_in_one_dtype(keys: Tensor, values: Tensor, *args: Any, _layer=layer, _update=update, **kwargs):
-            if getattr(_layer, "is_initialized", False):
-                keys, values = keys.to(_layer.keys.dtype), values.to(_layer.values.dtype)
-            else:
-                values = values.to(keys.dtype)
-            return _update(keys, values, *args, **kwargs)
-
-        layer.update = update_in_one_dtype
-    return cache
+    def _compacts(self, left: int, rows: int, cache: Any) -> bool:
+        """Whether to gather the `left` live rows of `rows` into a batch of their own now."""
+        return self.compact_below > 0 and left <= self.compact_below * rows and cache_rows_selectable(cache)
 
 
-def _cache_keyword(lm: nn.Module) -> str:
-    """The forward's name for the KV cache: `cache` from transformers 5.2x, `past_key_values` before."""
-    return "cache" if "cache" in inspect.signature(type(lm).forward).parameters else "past_key_values"
+def _capture(decode_step, device) -> "torch.cuda.CUDAGraph":
+    """Runs one decoding step eagerly (on a side stream, as capture needs), then records it as a graph."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        decode_step()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode_step()  # recorded, not run
+    return graph
 
 
-class _State:
-    """The decoding loop's tensors, allocated once per call and only ever written in place."""
-
-    def __init__(self, decode: StaticDecode, B: int, L: int, P: int, device, input_ids: Tensor, prompt_mask: Tensor,
-                 lm: nn.Module):
-        self.decode = decode
-        self.eos = torch.tensor(decode.eos_token_ids, device=device)
-        self.token = torch.full((B, 1), decode.pad_token_id, dtype=torch.long, device=device)   # [B, 1]
-        self.position = torch.zeros((B, 1), dtype=torch.long, device=device)                    # [B, 1]
-        self.slot = torch.full((1,), P, dtype=torch.long, device=device)   # the cache slot of `token`
-        self.index = torch.zeros((1,), dtype=torch.long, device=device)    # the completion position drawn next
-        self.finished = torch.zeros(B, dtype=torch.bool, device=device)
-        self.tokens = torch.full((B, decode.max_new_tokens), decode.pad_token_id, dtype=torch.long, device=device)
-        self.logprobs = (torch.zeros((B, decode.max_new_tokens), device=device)
-                         if decode.sampler is not None else None)
-        self.seen = None
-        if decode.processing["repetition_penalty"] != 1.0:
-            self.seen = torch.zeros((B, lm.config.get_text_config().vocab_size), dtype=torch.bool, device=device)
-            self.seen.scatter_(1, input_ids, True)
-        # The 4D mask the decoding steps hand to the model: [B, 1, 1, L], over every cache slot.
-        visible = torch.zeros((B, 1, 1, L), dtype=torch.bool, device=device)
-        visible[:, 0, 0, :P] = prompt_mask.bool()
-        self.additive = lm.config._attn_implementation == "eager"
-        if self.additive:
-            dtype = next(lm.parameters()).dtype
-            self.mask = torch.where(visible, torch.zeros((), dtype=dtype, device=device), torch.finfo(dtype).min)
-        else:
-            self.mask = visible
-
-    def open_slot(self) -> Tensor:
-        """The mask with `token`'s own slot opened (it attends to itself)."""
-        self.mask.index_fill_(3, self.slot, 0.0 if self.additive else True)
-        return self.mask
-
-    def take(self, logits: Tensor, first: bool = False) -> None:
-        """Draws the next token from `logits` [B, V] float32 and advances every tensor in place."""
-        d = self.decode
-        if d.sampler is not None:
-            token, logps = d.sampler.draw(logits, int(self.index))  # eager only: a host read per token
-            self.logprobs.index_copy_(1, self.index, logps.float()[:, None])
-        else:
-            scores = process_logits(logits, self.seen, **d.processing)
-            token = gumbel_max(scores) if d.do_sample else scores.argmax(-1)
-        token = torch.where(self.finished, torch.full_like(token, d.pad_token_id), token)
-        self.tokens.index_copy_(1, self.index, token[:, None])
-        self.finished |= (token[:, None] == self.eos).any(-1)
-        if self.seen is not None:
-            self.seen.scatter_(1, token[:, None], True)
-        self.token.copy_(token[:, None])
-        self.index.add_(1)
-        if not first:
-            self.slot.add_(1)
-            self.position.add_(1)
+def _write_back(state: DecodeState, rows: Tensor, tokens: Tensor, logprobs: Tensor | None) -> None:
+    """Copies the live batch's tokens (and log-probs) into the whole batch's rows `rows`."""
+    if state.tokens is not tokens:
+        tokens.index_copy_(0, rows, state.tokens)
+        if logprobs is not None:
+            logprobs.index_copy_(0, rows, state.logprobs)

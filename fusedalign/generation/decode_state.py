@@ -1,0 +1,168 @@
+"""The decoding loop's state (`StaticDecode`): tensors allocated once per batch, written in place.
+
+Everything a decoding step reads or writes lives here or in the static KV cache, so that the
+step can be captured as one CUDA graph. When most rows have finished, `select` and
+`select_cache_rows` gather the live rows into new, smaller tensors (the loop then captures a
+new graph for them): finished rows stop costing forward passes.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .keyed import filter_logits
+
+
+def process_logits(z: Tensor, seen: Tensor | None, *, repetition_penalty: float = 1.0, temperature: float = 1.0,
+                   top_k: int = 0, top_p: float = 1.0, min_p: float | None = None) -> Tensor:
+    """transformers' logits processors, in its order: repetition penalty, temperature, top-k, top-p, min-p.
+
+    Args:
+        z: [B, V] float32 logits of the next token.
+        seen: [B, V] bool, the tokens of the row so far (prompt padding included), or None
+            when `repetition_penalty` is 1.
+
+    Returns:
+        [B, V] float32 scores; filtered tokens hold the dtype's minimum.
+    """
+    if repetition_penalty != 1.0:
+        z = torch.where(seen, torch.where(z < 0, z * repetition_penalty, z / repetition_penalty), z)
+    return filter_logits(z / temperature, top_k, top_p, min_p)
+
+
+def gumbel_max(scores: Tensor) -> Tensor:
+    """[B] tokens drawn from softmax(scores [B, V]) as argmax(scores + Gumbel noise).
+
+    `torch.rand` draws from the device's default generator, which CUDA graphs replay with a
+    new offset each time. A uniform draw of exactly 0 gives -inf noise (never chosen).
+    """
+    u = torch.rand_like(scores)
+    return (scores - torch.log(-torch.log(u))).argmax(-1)
+
+
+class DecodeState:
+    """The live batch's rows: the token just drawn, its position and cache slot, what each row has drawn.
+
+    Args:
+        decode: the StaticDecode whose flags the draws follow.
+        B, L, P: rows, cache length (prompt + new tokens), padded prompt length.
+        input_ids, prompt_mask: [B, P] the left-padded prompts.
+        lm: the unwrapped causal LM (its vocabulary size and attention implementation).
+    """
+
+    def __init__(self, decode: Any, B: int, L: int, P: int, device, input_ids: Tensor, prompt_mask: Tensor,
+                 lm: nn.Module):
+        self.decode = decode
+        self.eos = torch.tensor(decode.eos_token_ids, device=device)
+        self.token = torch.full((B, 1), decode.pad_token_id, dtype=torch.long, device=device)   # [B, 1]
+        self.position = torch.zeros((B, 1), dtype=torch.long, device=device)                    # [B, 1]
+        self.slot = torch.full((1,), P, dtype=torch.long, device=device)   # the cache slot of `token`
+        self.index = torch.zeros((1,), dtype=torch.long, device=device)    # the completion position drawn next
+        self.finished = torch.zeros(B, dtype=torch.bool, device=device)
+        self.tokens = torch.full((B, decode.max_new_tokens), decode.pad_token_id, dtype=torch.long, device=device)
+        self.logprobs = (torch.zeros((B, decode.max_new_tokens), device=device)
+                         if decode.sampler is not None else None)
+        self.seen = None
+        if decode.processing["repetition_penalty"] != 1.0:
+            self.seen = torch.zeros((B, lm.config.get_text_config().vocab_size), dtype=torch.bool, device=device)
+            self.seen.scatter_(1, input_ids, True)
+        # The 4D mask the decoding steps hand to the model: [B, 1, 1, L], over every cache slot.
+        visible = torch.zeros((B, 1, 1, L), dtype=torch.bool, device=device)
+        visible[:, 0, 0, :P] = prompt_mask.bool()
+        self.additive = lm.config._attn_implementation == "eager"
+        if self.additive:
+            dtype = next(lm.parameters()).dtype
+            self.mask = torch.where(visible, torch.zeros((), dtype=dtype, device=device), torch.finfo(dtype).min)
+        else:
+            self.mask = visible
+
+    @property
+    def rows(self) -> int:
+        return self.finished.shape[0]
+
+    def select(self, keep: Tensor) -> "DecodeState":
+        """A state of the rows `keep` [n] (indices into this batch), in new tensors; this one is left as it is."""
+        new = object.__new__(DecodeState)
+        for name, value in vars(self).items():
+            batched = isinstance(value, Tensor) and name not in ("eos", "slot", "index")
+            setattr(new, name, value.index_select(0, keep) if batched else value)
+        new.slot, new.index = self.slot.clone(), self.index.clone()
+        return new
+
+    def open_slot(self) -> Tensor:
+        """The mask with `token`'s own slot opened (it attends to itself)."""
+        self.mask.index_fill_(3, self.slot, 0.0 if self.additive else True)
+        return self.mask
+
+    def take(self, logits: Tensor, first: bool = False) -> None:
+        """Draws the next token from `logits` [B, V] float32 and advances every tensor in place."""
+        d = self.decode
+        if d.sampler is not None:
+            token, logps = d.sampler.draw(logits, int(self.index))  # eager only: a host read per token
+            self.logprobs.index_copy_(1, self.index, logps.float()[:, None])
+        else:
+            scores = process_logits(logits, self.seen, **d.processing)
+            token = gumbel_max(scores) if d.do_sample else scores.argmax(-1)
+        token = torch.where(self.finished, torch.full_like(token, d.pad_token_id), token)
+        self.tokens.index_copy_(1, self.index, token[:, None])
+        self.finished |= (token[:, None] == self.eos).any(-1)
+        if self.seen is not None:
+            self.seen.scatter_(1, token[:, None], True)
+        self.token.copy_(token[:, None])
+        self.index.add_(1)
+        if not first:
+            self.slot.add_(1)
+            self.position.add_(1)
+
+
+def cache_rows_selectable(cache: Any) -> bool:
+    """Whether `select_cache_rows` knows this cache's layout: transformers' plain static layers, whose
+    only per-row tensors are their keys and values (not the layers with an indexer cache, say)."""
+    from transformers.cache_utils import StaticLayer
+
+    layers = getattr(cache, "layers", None)
+    return bool(layers) and all(type(layer) is StaticLayer and isinstance(getattr(layer, "keys", None), Tensor)
+                                for layer in layers)
+
+
+def select_cache_rows(cache: Any, keep: Tensor) -> None:
+    """Keeps the rows `keep` of every layer's static keys and values (new tensors; the old ones are freed)."""
+    for layer in cache.layers:
+        if isinstance(getattr(layer, "keys", None), Tensor):
+            layer.keys = layer.keys.index_select(0, keep)
+            layer.values = layer.values.index_select(0, keep)
+            layer.batch_size = int(keep.numel())
+
+
+def dtype_stable(cache: Any) -> Any:
+    """The static cache, each layer's keys and values kept in the dtype of its first keys.
+
+    Under autocast a float32 model's keys come out of the rotary embedding in float32 (it
+    promotes) and its values out of `v_proj` in bfloat16. A dynamic cache stores each as it
+    comes; a static one copies into buffers it allocates at the first update, and transformers
+    5.17 allocates both in the keys' dtype, so `index_copy_` refused the values (the first
+    generation of a float32 model with `bf16` on, on CUDA). Cast to the keys' dtype, then to
+    the buffers': exact (bfloat16 widens to float32 without loss), and the attention casts
+    both to autocast's dtype anyway, so it sees the values a dynamic cache gives it.
+    """
+    for layer in getattr(cache, "layers", []):
+        update = layer.update
+
+        def update_in_one_dtype(keys: Tensor, values: Tensor, *args: Any, _layer=layer, _update=update, **kwargs):
+            if getattr(_layer, "is_initialized", False):
+                keys, values = keys.to(_layer.keys.dtype), values.to(_layer.values.dtype)
+            else:
+                values = values.to(keys.dtype)
+            return _update(keys, values, *args, **kwargs)
+
+        layer.update = update_in_one_dtype
+    return cache
+
+
+def cache_keyword(lm: nn.Module) -> str:
+    """The forward's name for the KV cache: `cache` from transformers 5.2x, `past_key_values` before."""
+    return "cache" if "cache" in inspect.signature(type(lm).forward).parameters else "past_key_values"
