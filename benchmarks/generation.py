@@ -31,6 +31,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -43,7 +44,9 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.builders import ending  # noqa: E402
 from benchmarks.builders.model import build_model  # noqa: E402
+from benchmarks.harness.decode_limit import Peaks, Shape, limit_tokens_per_s, peaks_of  # noqa: E402
 from benchmarks.harness import runner  # noqa: E402
 from benchmarks.harness.env import gpu_info, log, versions, versions_line  # noqa: E402
 from benchmarks.harness.tables import fmt, markdown, ratio, write_markdown  # noqa: E402
@@ -57,9 +60,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda if present")
     p.add_argument("--tiny", action="store_true", help="a tiny model, short prompts and completions (CPU smoke test)")
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
-    p.add_argument("--batches", type=int, nargs="+", default=None, help="default 64 256 (--tiny: 4)")
+    p.add_argument("--batches", type=int, nargs="+", default=None, help="default 64 256 512 (--tiny: 4)")
     p.add_argument("--prompt_length", type=int, default=None, help="default 128 (--tiny: 8)")
     p.add_argument("--new_tokens", type=int, default=None, help="default 256 (--tiny: 8)")
+    p.add_argument("--completion_lengths", default="fixed",
+                   help="fixed (every row draws --new_tokens; no end-of-sequence) or lognormal:MEDIAN:P95: rows end "
+                        "at lengths of that distribution, truncated at --new_tokens (benchmarks/builders/ending.py)")
+    p.add_argument("--peak_tb_s", type=float, default=None,
+                   help="memory bandwidth for the decode limit (default: the GPU's datasheet value, where known)")
+    p.add_argument("--peak_tflops", type=float, default=None, help="dense bf16 TFLOP/s for the decode limit (idem)")
     p.add_argument("--repeats", type=int, default=2, help="timed calls per batch size (after one untimed)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--worker_timeout", type=int, default=900)
@@ -74,9 +83,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         import torch
 
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    for key, big, small in (("batches", [64, 256], [4]), ("prompt_length", 128, 8), ("new_tokens", 256, 8)):
+    for key, big, small in (("batches", [64, 256, 512], [4]), ("prompt_length", 128, 8), ("new_tokens", 256, 8)):
         if getattr(args, key) is None:
             setattr(args, key, small if args.tiny else big)
+    try:
+        args.fit = ending.parse_fit(args.completion_lengths)
+    except ValueError as error:
+        p.error(str(error))
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
     return args
@@ -103,7 +116,7 @@ def generation_config(args, method: str, pad: int, eos: int):
                             top_p=1.0, top_k=0, cuda_graphs=method == "ours")
 
     options = dict(max_new_tokens=args.new_tokens, do_sample=True, temperature=1.0, top_p=1.0, top_k=0, use_cache=True,
-                   pad_token_id=pad, eos_token_id=None, bos_token_id=None)
+                   pad_token_id=pad, eos_token_id=None if args.fit is None else eos, bos_token_id=None)
     if method == "dynamic":
         return GenerationConfig(**options, disable_compile=True)
     if method == "dynamic_eos":
@@ -113,20 +126,23 @@ def generation_config(args, method: str, pad: int, eos: int):
     return GenerationConfig(**options)
 
 
-def generate_once(model, method: str, prompts, config) -> int:
-    """One call; returns the number of new tokens produced."""
+def generate_once(model, method: str, prompts, config, eos: int) -> int:
+    """One call; returns the number of new tokens produced (up to and with each row's EOS)."""
     import torch
 
     if method.startswith("ours"):
         rows = prompts.tolist()
-        config.generate(model, rows, [(i, 0) for i in range(len(rows))])
-        return len(rows) * config.last_call["steps"]
+        out = config.generate(model, rows, [(i, 0) for i in range(len(rows))])
+        return sum(len(c) for c in out.completion_ids)
     if method == "continuous":
         outputs = model.generate_batch(prompts.tolist(), generation_config=config, progress_bar=False)
         return sum(len(o.generated_tokens) for o in outputs.values())
     with torch.no_grad():
         out = model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), generation_config=config)
-    return (out.shape[1] - prompts.shape[1]) * out.shape[0]
+    new = out[:, prompts.shape[1]:]
+    ended = (new == eos).int()
+    before_eos = (ended.cumsum(-1) - ended) == 0  # tokens up to and with the first EOS
+    return int(before_eos.sum())
 
 
 def run_worker(args) -> int:
@@ -141,12 +157,17 @@ def run_worker(args) -> int:
         dtype = torch.bfloat16 if cuda else torch.float32
         model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype).to(args.device).eval()
         vocab = model.config.vocab_size
-        config = generation_config(args, args.worker, pad=0, eos=vocab - 1)
+        eos = vocab - 1
+        config = generation_config(args, args.worker, pad=0, eos=eos)
+        if args.fit is not None:
+            ending.end_at_lengths(model, args.fit, eos, args.new_tokens)
+        shape = Shape.of(model.config, sum(p.numel() for p in model.parameters()), dtype.itemsize)
+        result.update(shape=dataclasses.asdict(shape), gpu=torch.cuda.get_device_name() if cuda else "cpu")
         for batch in args.batches:
             gen = torch.Generator().manual_seed(args.seed + batch)
             prompts = torch.randint(1, vocab, (batch, args.prompt_length), generator=gen).to(args.device)
             t0 = time.perf_counter()
-            generate_once(model, args.worker, prompts, config)  # compilation, graph capture, autotuning
+            generate_once(model, args.worker, prompts, config, eos)  # compilation, graph capture, autotuning
             sync()
             first = time.perf_counter() - t0
             if cuda:
@@ -155,7 +176,7 @@ def run_worker(args) -> int:
             for _ in range(args.repeats):
                 sync()
                 t0 = time.perf_counter()
-                produced.append(generate_once(model, args.worker, prompts, config))
+                produced.append(generate_once(model, args.worker, prompts, config, eos))
                 sync()
                 times.append(time.perf_counter() - t0)
             median = statistics.median(times)
@@ -169,25 +190,51 @@ def run_worker(args) -> int:
     return 0 if result["status"] == "ok" else 1
 
 
+def decode_limit(args, results: dict, batch: int) -> float | None:
+    """The decode limit (tokens/s) of this shape, batch and length distribution on the GPU the runs saw."""
+    ran = next((r for r in results.values() if r.get("status") == "ok" and r.get("shape")), None)
+    if ran is None:
+        return None
+    peaks = peaks_of(ran["gpu"])
+    if args.peak_tb_s or args.peak_tflops:
+        if not (args.peak_tb_s and args.peak_tflops):
+            return None
+        peaks = Peaks(ran["gpu"], args.peak_tb_s, args.peak_tflops)
+    if peaks is None:
+        return None
+    return limit_tokens_per_s(Shape(**ran["shape"]), peaks, args.prompt_length,
+                              ending.expected_live_rows(args.fit, batch, args.new_tokens))
+
+
 def table(args, results: dict) -> str:
     rows = []
     for batch in args.batches:
         base = results.get("dynamic", {}).get("batches", {}).get(str(batch))
+        limit = decode_limit(args, results, batch)
         for method in args.methods:
             r = results.get(method, {"status": "not run", "reason": "not run"})
             if r.get("status") != "ok":
                 rows.append([str(batch), method, r.get("reason") or f"{r.get('status')}: {r.get('error', '')[:80]}",
-                             "", "", "", ""])
+                             "", "", "", "", "", ""])
                 continue
             b = r["batches"][str(batch)]
-            short = "" if min(b["new_tokens"]) == b["expected"] else f" (only {min(b['new_tokens'])} tokens)"
-            rows.append([str(batch), method, f"{b['tokens_per_s']:,.0f}{short}", fmt(b["peak_gib"], ".1f"),
+            short = ("" if args.fit is not None or min(b["new_tokens"]) == b["expected"]
+                     else f" (only {min(b['new_tokens'])} tokens)")
+            rows.append([str(batch), method, f"{b['tokens_per_s']:,.0f}{short}",
+                         f"{statistics.median(b['new_tokens']) / batch:.0f}", fmt(b["peak_gib"], ".1f"),
                          f"{statistics.median(b['times_s']):.2f}", f"{b['first_call_s']:.1f}",
-                         ratio(b["tokens_per_s"], base["tokens_per_s"]) if base else "—"])
-    title = (f"### generation, {args.prompt_length}-token prompts, {args.new_tokens} sampled new tokens "
-             f"(median of {args.repeats})")
-    columns = ["batch", "method", "new tokens/s", "peak GiB", "s a call", "first call s", "vs dynamic"]
-    return title + "\n\n" + markdown(columns, rows, numeric={0, 2, 3, 4, 5, 6})
+                         ratio(b["tokens_per_s"], base["tokens_per_s"]) if base else "—",
+                         f"{100 * b['tokens_per_s'] / limit:.1f}%" if limit else "—"])
+        if limit:
+            rows.append([str(batch), "decode limit", f"{limit:,.0f}", "", "", "", "", "", "100%"])
+    lengths = ("every row exactly that many" if args.fit is None else
+               f"lengths log-normal, median {args.fit.median:g}, p95 {args.fit.p95:g}, mean "
+               f"{ending.expected_length(args.fit, args.new_tokens):.0f} after truncation")
+    title = (f"### generation, {args.prompt_length}-token prompts, at most {args.new_tokens} sampled new tokens "
+             f"({lengths}; median of {args.repeats})")
+    columns = ["batch", "method", "new tokens/s", "tokens a row", "peak GiB", "s a call", "first call s",
+               "vs dynamic", "of the decode limit"]
+    return title + "\n\n" + markdown(columns, rows, numeric={0, 2, 3, 4, 5, 6, 7, 8})
 
 
 def main(argv=None) -> int:
@@ -214,6 +261,7 @@ def main(argv=None) -> int:
             argv = [sys.executable, "-u", os.path.abspath(__file__), "--worker", method, "--device", args.device,
                     "--model_dir", args.model_dir, "--batches", *map(str, args.batches), "--prompt_length",
                     str(args.prompt_length), "--new_tokens", str(args.new_tokens), "--repeats", str(args.repeats),
+                    "--completion_lengths", args.completion_lengths,
                     "--seed", str(args.seed)] + (["--tiny"] if args.tiny else [])
             log(f"{method}: running ...")
             results[method] = runner.launch(argv, f"generation-{method}", log_dir=args.log_dir, device=args.device,

@@ -1,0 +1,58 @@
+"""benchmarks/builders/ending.py: a random model's completions end at lengths of the stated
+distribution, the same under transformers' generate and StaticDecode (with its compaction)."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.builders import ending  # noqa: E402
+from benchmarks.builders.lengths import LengthFit  # noqa: E402
+from fusedalign.generation import HFGenerate, StaticDecode  # noqa: E402
+from fusedalign.models import load_model, load_tokenizer  # noqa: E402
+
+FIT = LengthFit(6, 20)
+MAX_NEW = 24
+
+
+def test_hazards_give_the_fits_survival():
+    h = ending.hazards(FIT, MAX_NEW)
+    alive = 1.0
+    for k in range(MAX_NEW):
+        assert math.isclose(alive, ending.survival(FIT, k), rel_tol=1e-9, abs_tol=1e-12)
+        alive *= 1 - h[k]
+    assert math.isclose(ending.survival(FIT, 6) + 0.0, 0.5, abs_tol=0.05)  # the median
+    assert ending.parse_fit("fixed") is None and ending.parse_fit("lognormal:300:1500") == LengthFit(300, 1500)
+    with pytest.raises(ValueError, match="MEDIAN < P95"):
+        ending.parse_fit("lognormal:300:100")
+
+
+@pytest.mark.parametrize("generator", ["generate", "static"])
+def test_completion_lengths_follow_the_fit_under_either_generator(generator):
+    model, tok = load_model("builtin:tiny-qwen2").eval(), load_tokenizer("builtin:tiny-qwen2")
+    eos = model.config.vocab_size - 1
+    rows = 768
+    prompts = [[5, 9, 13, 17]] * rows
+    cls = HFGenerate if generator == "generate" else StaticDecode
+    decode = cls(max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=tok.pad_token_id, temperature=1.0)
+    ids = torch.tensor([[5, 9, 13, 17]])
+    before = model(input_ids=ids).logits
+    handle = ending.end_at_lengths(model, FIT, eos, MAX_NEW)
+    try:
+        torch.manual_seed(0)
+        out = decode.generate(model, prompts, [(i, 0) for i in range(rows)])
+        assert torch.equal(model(input_ids=ids).logits, before)  # a forward without a cache is left alone
+    finally:
+        handle.remove()
+    lengths = torch.tensor([len(c) for c in out.completion_ids], dtype=torch.float64)
+    for k in (2, 6, 12, 20):  # P(L > k): binomial standard error at most 0.018 over 768 rows
+        assert abs(float((lengths > k).double().mean()) - ending.survival(FIT, k)) < 0.06, k
+    assert all(c[-1] == eos for c, cut in zip(out.completion_ids, out.truncated) if not cut)
+    if generator == "static":
+        assert len(decode.last_call["batch_sizes"]) >= 2  # the compaction ran, and changed nothing
