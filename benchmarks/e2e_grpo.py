@@ -33,7 +33,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.builders import grpo  # noqa: E402
+from benchmarks.builders import ending, grpo  # noqa: E402
 from benchmarks.builders.model import build_model, model_config  # noqa: E402
 from benchmarks.harness import runner  # noqa: E402
 from benchmarks.harness.env import gpu_info, log, versions, versions_line  # noqa: E402
@@ -52,6 +52,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--num_generations", type=int, default=None, help="completions per prompt; default 8 (--tiny: 4)")
     a("--new_tokens", type=int, default=None, help="max_completion_length; default 256 (--tiny: 8)")
     a("--prompt_length", type=int, default=None, help="default 128 (--tiny: 8)")
+    a("--completion_lengths", default="fixed",
+      help="fixed (the random model about never ends a completion: every one runs to --new_tokens) or "
+           "lognormal:MEDIAN:P95: completions end at lengths of that distribution, truncated at --new_tokens, for "
+           "TRL's sampler and ours alike (benchmarks/builders/ending.py)")
     a("--per_device_train_batch_size", type=int, default=None,
       help="completions per micro-batch; accumulation = prompts x num_generations / this; default 64 (--tiny: 8)")
     a("--warmup_steps", type=int, default=None, help="default 2 (--tiny: 1)")
@@ -86,6 +90,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.warmup_steps < 1 or args.timed_steps < 1:
         p.error("need --warmup_steps >= 1 and --timed_steps >= 1")
     args.total_steps = args.warmup_steps + args.timed_steps
+    try:
+        args.fit = ending.parse_fit(args.completion_lengths)
+    except ValueError as error:
+        p.error(str(error))
     return args
 
 
@@ -121,6 +129,8 @@ def run_worker(args) -> int:
         with timers("init"):
             trainer = grpo.build(run, args, output_dir, grpo.prompt_rows(args, vocab),
                                  load_tokenizer("builtin:tiny-qwen2"), callback, timers, vocab)
+            if args.fit is not None:  # on the module whose forward both trainers' generators call
+                ending.end_at_lengths(trainer.model, args.fit, trainer.processing_class.eos_token_id, args.new_tokens)
         time_from_batch_fetch(trainer, callback)
         if cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -153,7 +163,7 @@ def table(args, results: dict) -> str:
                      fmt(r.get("mean_completion_length"), ".0f"), fmt(r.get("peak_gib"), ".1f"),
                      ratio(r["completions_per_s"], base["completions_per_s"]) if base else "—"])
     title = (f"### GRPO, {args.prompts} prompts x {args.num_generations} completions x <= {args.new_tokens} new "
-             f"tokens a step ({args.prompt_length}-token prompts, micro-batch {args.per_device_train_batch_size}, "
+             f"tokens a step ({args.prompt_length}-token prompts, completion lengths {args.completion_lengths}, micro-batch {args.per_device_train_batch_size}, "
              f"{args.timed_steps} timed steps after {args.warmup_steps})")
     columns = ["config", "completions/s", "s a step", "generation %", "training %", "mean completion tokens",
                "peak GiB", "vs trl"]
@@ -184,7 +194,7 @@ def main(argv=None) -> int:
             argv = [sys.executable, "-u", os.path.abspath(__file__), "--worker", name]
             for key in ("device", "prompts", "num_generations", "new_tokens", "prompt_length",
                         "per_device_train_batch_size", "warmup_steps", "timed_steps", "learning_rate", "beta",
-                        "loss_type", "dtype", "seed", "model_dir"):
+                        "loss_type", "dtype", "seed", "model_dir", "completion_lengths"):
                 argv += [f"--{key}", str(getattr(args, key))]
             argv += ["--tiny"] if args.tiny else []
             log(f"{name}: running ...")

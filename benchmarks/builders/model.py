@@ -40,6 +40,10 @@ def build_model(path: str, *, tiny: bool, dtype: str, seed: int, longest: int = 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(model_config(tiny, longest), dtype=torch.float32)
     model.to(torch.bfloat16 if dtype == "bf16" else torch.float32)
+    # Generation keeps a KV cache, as a released checkpoint's generation config has it: transformers'
+    # generate (TRL's sampler) takes every field its caller leaves unset from here, and the config's
+    # use_cache=False (for the training forwards) would otherwise make it recompute every prefix.
+    model.generation_config.use_cache = True
     model.save_pretrained(path)
     load_tokenizer("builtin:tiny-qwen2").save_pretrained(path)
     n = sum(p.numel() for p in model.parameters())

@@ -56,3 +56,20 @@ def test_completion_lengths_follow_the_fit_under_either_generator(generator):
     assert all(c[-1] == eos for c, cut in zip(out.completion_ids, out.truncated) if not cut)
     if generator == "static":
         assert len(decode.last_call["batch_sizes"]) >= 2  # the compaction ran, and changed nothing
+
+
+def test_the_benchmark_model_generates_with_a_kv_cache(tmp_path):
+    """transformers' generate (TRL's sampler) takes unset fields from the model's generation config:
+    the benchmark model must say use_cache there, or TRL's runs recompute every prefix."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from benchmarks.builders.model import build_model
+
+    build_model(str(tmp_path), tiny=True, dtype="fp32", seed=0)
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    widths = []
+    model.register_forward_hook(lambda m, a, k, o: widths.append(k["input_ids"].shape[1]), with_kwargs=True)
+    ids = torch.tensor([[5, 9, 13, 17]])
+    model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                   generation_config=GenerationConfig(max_new_tokens=3, do_sample=False, pad_token_id=0))
+    assert widths == [4, 1, 1]
