@@ -110,6 +110,40 @@ class GenerationSplit:
         self.per_step.append(self.timers.get("generation") - self.at_begin)
 
 
+class BackboneTokens:
+    """A StepTimer hook and the model's forward pre-hook: the tokens the backbone was given in each
+    step's forwards other than generation (policy, old-policy and reference passes; padding and
+    repeated prompts included), to set against the step's unique tokens."""
+
+    def __init__(self):
+        self.total, self.at_begin, self.per_step = 0, 0, []
+
+    def count(self, module, args, kwargs) -> None:
+        if any(kwargs.get(name) is not None for name in ("past_key_values", "cache")):
+            return  # a generation forward
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None:
+            self.total += ids.numel()
+
+    def begin(self, step: int) -> None:
+        self.at_begin = self.total
+
+    def end(self, step: int, seconds: float) -> None:
+        self.per_step.append(self.total - self.at_begin)
+
+
+def tokens_per_unique(args, backbone: BackboneTokens, logs: list[dict]) -> float | None:
+    """Median over the timed steps of backbone tokens / unique tokens (each prompt once, every
+    completion token once)."""
+    timed = slice(args.warmup_steps, args.total_steps)
+    ratios = []
+    for tokens, entry in zip(backbone.per_step[timed], logs[timed]):
+        mean = entry.get("completions/mean_length")
+        if mean is not None and tokens:
+            ratios.append(tokens / (args.prompts * (args.prompt_length + args.num_generations * mean)))
+    return statistics.median(ratios) if ratios else None
+
+
 def run_worker(args) -> int:
     import torch
     from transformers import set_seed
@@ -129,6 +163,9 @@ def run_worker(args) -> int:
         with timers("init"):
             trainer = grpo.build(run, args, output_dir, grpo.prompt_rows(args, vocab),
                                  load_tokenizer("builtin:tiny-qwen2"), callback, timers, vocab)
+            backbone = BackboneTokens()
+            trainer.model.register_forward_pre_hook(backbone.count, with_kwargs=True)
+            callback.hooks.append(backbone)
             if args.fit is not None:  # on the module whose forward both trainers' generators call
                 ending.end_at_lengths(trainer.model, args.fit, trainer.processing_class.eos_token_id, args.new_tokens)
         time_from_batch_fetch(trainer, callback)
@@ -143,7 +180,8 @@ def run_worker(args) -> int:
         result.update(stats, status="ok", peak_gib=peak(), logs=callback.logs,
                       completions_per_s=completions / stats["median_step_s"],
                       generation_share=statistics.median(shares) if shares and any(shares) else None,
-                      mean_completion_length=statistics.mean(lengths) if lengths else None)
+                      mean_completion_length=statistics.mean(lengths) if lengths else None,
+                      tokens_per_unique=tokens_per_unique(args, backbone, callback.logs))
     log(json.dumps({k: v for k, v in result.items() if k not in ("logs", "step_times")}))
     return 0 if result["status"] in ("ok", "OOM") else 1
 
@@ -154,20 +192,22 @@ def table(args, results: dict) -> str:
     for name in args.configs:
         r = results.get(name, {"status": "not run", "reason": "not run"})
         if r.get("status") != "ok":
-            rows.append([name, r.get("reason") or f"{r['status']}: {r.get('error', '')[:80]}", "", "", "", "", "", ""])
+            rows.append([name, r.get("reason") or f"{r['status']}: {r.get('error', '')[:80]}", "", "", "", "", "", "",
+                         ""])
             continue
         share = r.get("generation_share")
         rows.append([name, f"{r['completions_per_s']:,.1f}", f"{r['median_step_s']:.2f}",
                      fmt(None if share is None else 100 * share, ".0f"),
                      fmt(None if share is None else 100 * (1 - share), ".0f"),
-                     fmt(r.get("mean_completion_length"), ".0f"), fmt(r.get("peak_gib"), ".1f"),
+                     fmt(r.get("mean_completion_length"), ".0f"), fmt(r.get("tokens_per_unique"), ".2f"),
+                     fmt(r.get("peak_gib"), ".1f"),
                      ratio(r["completions_per_s"], base["completions_per_s"]) if base else "—"])
     title = (f"### GRPO, {args.prompts} prompts x {args.num_generations} completions x <= {args.new_tokens} new "
              f"tokens a step ({args.prompt_length}-token prompts, completion lengths {args.completion_lengths}, micro-batch {args.per_device_train_batch_size}, "
              f"{args.timed_steps} timed steps after {args.warmup_steps})")
     columns = ["config", "completions/s", "s a step", "generation %", "training %", "mean completion tokens",
-               "peak GiB", "vs trl"]
-    return title + "\n\n" + markdown(columns, rows, numeric=set(range(1, 8)))
+               "backbone tokens per unique token", "peak GiB", "vs trl"]
+    return title + "\n\n" + markdown(columns, rows, numeric=set(range(1, 9)))
 
 
 def main(argv=None) -> int:
