@@ -33,6 +33,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks import grpo_longest  # noqa: E402
 from benchmarks.builders import ending, grpo  # noqa: E402
 from benchmarks.builders.model import build_model, model_config  # noqa: E402
 from benchmarks.harness import runner  # noqa: E402
@@ -60,6 +61,17 @@ def parse_args(argv=None) -> argparse.Namespace:
       help="completions per micro-batch; accumulation = prompts x num_generations / this; default 64 (--tiny: 8)")
     a("--warmup_steps", type=int, default=None, help="default 2 (--tiny: 1)")
     a("--timed_steps", type=int, default=None, help="default 4 (--tiny: 2)")
+    a("--gradient_checkpointing", action="store_true", help="both trainers (TRL 1.16's GRPO default; off here "
+      "unless asked, or in --longest_search)")
+    a("--random_completions", action="store_true",
+      help="replace generation by random ids, every completion --new_tokens long (both trainers; for memory)")
+    a("--max_tokens_per_batch", type=int, default=None, help="ours' token budget, for the packed configurations")
+    a("--longest_search", action="store_true",
+      help="the longest max_completion_length each configuration trains at (benchmarks/grpo_longest.py); "
+           "defaults then: 8 prompts x 8 completions, micro-batch 8, gradient checkpointing, random completions")
+    a("--search_step", type=int, default=1024)
+    a("--search_min", type=int, default=0)
+    a("--search_max", type=int, default=65536)
     a("--learning_rate", type=float, default=1e-6)
     a("--beta", type=float, default=0.0, help="KL coefficient (TRL's default 0: no reference model)")
     a("--loss_type", default="dapo", help="TRL's default")
@@ -77,8 +89,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         import torch
 
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    for key, big, small in (("prompts", 64, 4), ("num_generations", 8, 4), ("new_tokens", 256, 8),
-                            ("prompt_length", 128, 8), ("per_device_train_batch_size", 64, 8),
+    if args.longest_search:
+        args.gradient_checkpointing = args.random_completions = True
+    search = args.longest_search
+    for key, big, small in (("prompts", 8 if search else 64, 4), ("num_generations", 8, 4), ("new_tokens", 256, 8),
+                            ("prompt_length", 128, 8), ("per_device_train_batch_size", 8 if search else 64, 8),
                             ("warmup_steps", 2, 1), ("timed_steps", 4, 2)):
         if getattr(args, key) is None:
             setattr(args, key, small if args.tiny else big)
@@ -225,6 +240,17 @@ def main(argv=None) -> int:
         args.model_dir = tempfile.mkdtemp(prefix="e2e_grpo-model-")
         log("model: " + build_model(args.model_dir, tiny=args.tiny, dtype=args.dtype, seed=args.seed))
     results = {}
+    if args.longest_search:
+        try:
+            found, text = grpo_longest.search(args, skipped)
+        finally:
+            if own_model:
+                shutil.rmtree(args.model_dir, ignore_errors=True)
+        log("\n" + text + "\n")
+        with open(args.json_out or os.path.join(args.log_dir, "longest.json"), "w") as f:
+            json.dump({"versions": versions(), "argv": sys.argv, "results": found}, f, indent=1, default=str)
+        write_markdown(args, [text])
+        return 0
     try:
         for name in args.configs:
             if skipped[name]:
@@ -236,6 +262,10 @@ def main(argv=None) -> int:
                         "per_device_train_batch_size", "warmup_steps", "timed_steps", "learning_rate", "beta",
                         "loss_type", "dtype", "seed", "model_dir", "completion_lengths"):
                 argv += [f"--{key}", str(getattr(args, key))]
+            if args.max_tokens_per_batch is not None:
+                argv += ["--max_tokens_per_batch", str(args.max_tokens_per_batch)]
+            argv += [flag for flag, on in (("--gradient_checkpointing", args.gradient_checkpointing),
+                                           ("--random_completions", args.random_completions)) if on]
             argv += ["--tiny"] if args.tiny else []
             log(f"{name}: running ...")
             results[name] = runner.launch(argv, f"grpo-{name}", log_dir=args.log_dir, device=args.device,

@@ -29,6 +29,8 @@ class GRPORun:
     compile_generation: bool = False   # ours: generate's static cache with compiled decoding
     generation_backend: str = "auto"   # ours: auto (StaticDecode on CUDA), generate or static
     compile_layers: bool = False       # ours: each decoder layer torch.compile'd (element-wise ops recomputed)
+    padding_free: bool = False         # ours: packed rows of whole completions up to --max_tokens_per_batch
+    share_prompt: bool = False         # ours, with padding_free: each group's prompt once
     about: str = ""
 
 
@@ -44,6 +46,10 @@ RUNS = {r.name: r for r in (
             about="ours with generation_backend='generate': transformers' generate, as TRL"),
     GRPORun("ours_compiled", "ours", compile_generation=True, generation_backend="generate",
             about="ours with compile_generation=True: static cache, compiled decoding (weights updated in place)"),
+    GRPORun("ours_padding_free", "ours", padding_free=True,
+            about="ours with padding_free=True: each step's completions in packed rows up to the token budget"),
+    GRPORun("ours_shared_prompt", "ours", padding_free=True, share_prompt=True,
+            about="ours with padding_free=True and share_prompt=True: a group's prompt once in its packed row"),
 )}
 DEFAULT = ("trl", "ours")
 
@@ -103,14 +109,30 @@ def grpo_args(s, output_dir: str) -> dict:
         beta=s.beta, loss_type=s.loss_type, temperature=1.0, learning_rate=s.learning_rate,
         max_steps=s.total_steps, bf16=s.dtype == "bf16", seed=s.seed, data_seed=s.seed,
         lr_scheduler_type="linear", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
-        gradient_checkpointing=False, report_to="none", save_strategy="no", eval_strategy="no",
+        gradient_checkpointing=s.gradient_checkpointing, report_to="none", save_strategy="no", eval_strategy="no",
         logging_steps=1, disable_tqdm=True, dataloader_num_workers=0,
     )
+
+
+def random_completions(s, vocab: int):
+    """For memory searches: n completions of exactly max_completion_length random ids (never 0, the
+    EOS), drawn from the seed and a call counter, the same for both trainers."""
+    import numpy as np
+
+    calls = [0]
+
+    def draw(n: int) -> list[list[int]]:
+        calls[0] += 1
+        rng = np.random.default_rng([s.seed, 7, calls[0]])
+        return rng.integers(1, vocab, size=(n, s.new_tokens)).tolist()
+
+    return draw
 
 
 def build(run: GRPORun, s, output_dir: str, prompts: list[list[int]], tokenizer, callback, timers, vocab: int):
     """The trainer for `run`; `timers("generation")` wraps every generation call."""
     reward = lower_half_reward(vocab)
+    s.draw = random_completions(s, vocab) if getattr(s, "random_completions", False) else None
     if run.trainer == "trl":
         return build_trl(run, s, output_dir, prompts, tokenizer, callback, timers, reward)
     return build_ours(run, s, output_dir, prompts, tokenizer, callback, timers, reward)
@@ -124,9 +146,11 @@ def build_trl(run, s, output_dir, prompts, tokenizer, callback, timers, reward):
         def _tokenize_prompts(self, keys):
             return [prompts[int(k)] for k in keys], None, {}  # the rows are token ids already
 
-        def _generate_single_turn(self, *args, **kwargs):
+        def _generate_single_turn(self, prompt_ids, *args, **kwargs):
             with timers("generation"):
-                return super()._generate_single_turn(*args, **kwargs)
+                if s.draw is not None:
+                    return s.draw(len(prompt_ids)), None
+                return super()._generate_single_turn(prompt_ids, *args, **kwargs)
 
     kwargs = grpo_args(s, output_dir)
     kwargs["model_init_kwargs"] = {"dtype": "bfloat16" if s.dtype == "bf16" else "float32", "device_map": None}
@@ -151,8 +175,13 @@ def build_ours(run, s, output_dir, prompts, tokenizer, callback, timers, reward)
             # The columns its prompt tokenisation makes are already there: prompt_ids, row_index.
             return dataset, None if dataset is None else Split(conversational=False)
 
+    packing = {}
+    if run.padding_free:
+        packing = dict(padding_free=True, share_prompt=run.share_prompt)
+        if s.max_tokens_per_batch is not None:
+            packing["max_tokens_per_batch"] = s.max_tokens_per_batch
     args = GRPOConfig(**grpo_args(s, output_dir), compile_generation=run.compile_generation,
-                      generation_backend=run.generation_backend, compile_layers=run.compile_layers)
+                      generation_backend=run.generation_backend, compile_layers=run.compile_layers, **packing)
     index = list(range(len(prompts)))
     rows = Dataset.from_dict({"prompt": [str(i) for i in index], "prompt_ids": prompts, "row_index": index})
     trainer = BenchGRPOTrainer(model=s.model_dir, reward_funcs=[reward], args=args, train_dataset=rows,
@@ -161,9 +190,13 @@ def build_ours(run, s, output_dir, prompts, tokenizer, callback, timers, reward)
     if generator is not None and hasattr(generator, "generate"):
         generate = generator.generate
 
-        def timed_generate(*a, **kw):
+        def timed_generate(model, prompt_ids, *a, **kw):
+            from fusedalign.generation import GenerationOutput
+
             with timers("generation"):
-                return generate(*a, **kw)
+                if s.draw is not None:
+                    return GenerationOutput(s.draw(len(prompt_ids)), [True] * len(prompt_ids))
+                return generate(model, prompt_ids, *a, **kw)
 
         generator.generate = timed_generate
     return trainer
