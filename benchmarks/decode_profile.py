@@ -1,0 +1,235 @@
+"""Where one StaticDecode token goes: the decoding step split into its parts, each timed alone.
+
+At each batch size, on the benchmark model (Qwen2.5-0.5B-shaped random init, bf16) with its
+static cache filled to the mean context of a rollout (--prompt_length + --new_tokens / 2), one
+decoding step is cut into the parts `DecodeState.take` and the loop run, and each part is
+captured as a CUDA graph of its own and replayed --repeats times between two CUDA events:
+
+    forward     the model on the new token: every layer, the head, [B, V] logits in bf16
+    to_float    the logits made float32 ([B, V])
+    processors  repetition penalty (when on), temperature, top-k, top-p, min-p
+    draw        the Gumbel-max draw: uniform noise, its double log, the argmax
+    bookkeeping padding after EOS, the token written, the finished flags, the next position
+
+then the whole step as one graph (what StaticDecode replays) and the whole step eager (what
+the host adds: the launches). The decode limit of the shape at that batch and context
+(`harness/decode_limit.py`, datasheet peaks) sets the floor the step could reach.
+
+Examples:
+    python benchmarks/decode_profile.py                          # batch 64 256 512
+    python benchmarks/decode_profile.py --top_k 50 --top_p 0.9   # with TRL's filtering flags
+    python benchmarks/decode_profile.py --device cpu --tiny      # smoke test (eager, wall clock)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.builders.model import build_model  # noqa: E402
+from benchmarks.harness.decode_limit import Shape, limit_tokens_per_s, peaks_of  # noqa: E402
+from benchmarks.harness.env import log, versions, versions_line  # noqa: E402
+from benchmarks.harness.tables import markdown, write_markdown  # noqa: E402
+
+PARTS = ("forward", "to_float", "processors", "draw", "bookkeeping")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=["cuda", "cpu"], default=None)
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--batches", type=int, nargs="+", default=None, help="default 64 256 512 (--tiny: 4)")
+    p.add_argument("--prompt_length", type=int, default=None, help="default 128 (--tiny: 8)")
+    p.add_argument("--new_tokens", type=int, default=None, help="default 256 (--tiny: 8)")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top_k", type=int, default=0)
+    p.add_argument("--top_p", type=float, default=1.0)
+    p.add_argument("--min_p", type=float, default=None)
+    p.add_argument("--repetition_penalty", type=float, default=1.0)
+    p.add_argument("--repeats", type=int, default=50)
+    p.add_argument("--model_dir", default=None)
+    p.add_argument("--markdown_out", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    for key, big, small in (("batches", [64, 256, 512], [4]), ("prompt_length", 128, 8), ("new_tokens", 256, 8)):
+        if getattr(args, key) is None:
+            setattr(args, key, small if args.tiny else big)
+    return args
+
+
+class Clock:
+    """Milliseconds per call of a function: CUDA graph replays between events, or eager wall clock."""
+
+    def __init__(self, device, repeats: int):
+        self.device, self.repeats = device, repeats
+
+    def graph_ms(self, fn) -> float:
+        import torch
+
+        if self.device.type != "cuda":
+            return self.eager_ms(fn)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(self.repeats):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / self.repeats
+
+    def eager_ms(self, fn) -> float:
+        import torch
+
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        fn()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(self.repeats):
+            fn()
+        sync()
+        return (time.perf_counter() - t0) * 1000 / self.repeats
+
+
+def profile_batch(args, model, batch: int, clock: Clock) -> dict[str, float]:
+    import torch
+    from transformers import StaticCache
+
+    from fusedalign.generation import StaticDecode
+    from fusedalign.generation.decode_state import (
+        DecodeState,
+        cache_keyword,
+        dtype_stable,
+        gumbel_max,
+        process_logits,
+    )
+
+    device = next(model.parameters()).device
+    vocab = model.config.vocab_size
+    decode = StaticDecode(max_new_tokens=args.new_tokens, eos_token_id=vocab - 1, pad_token_id=0,
+                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                          repetition_penalty=args.repetition_penalty)
+    context = args.prompt_length + args.new_tokens // 2
+    gen = torch.Generator().manual_seed(args.seed + batch)
+    ids = torch.randint(1, vocab, (batch, context), generator=gen).to(device)
+    mask = torch.ones_like(ids)
+    cache = dtype_stable(StaticCache(config=model.config, max_cache_len=context + args.new_tokens))
+    keyword = cache_keyword(model)
+    state = DecodeState(decode, batch, context + args.new_tokens, context, device, ids, mask, model)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1), use_cache=True,
+                    logits_to_keep=1, **{keyword: cache})
+        state.take(out.logits[:, -1].float(), first=True)
+        state.position.fill_(context)
+        buffers = {"logits": None, "z": None, "scores": None, "token": None}
+
+        def rewind():  # every replay writes the same cache slot, inside the buffers
+            for layer in cache.layers:
+                layer.cumulative_length.fill_(context)
+
+        def forward():
+            rewind()
+            buffers["logits"] = model(input_ids=state.token, attention_mask=state.open_slot(),
+                                      position_ids=state.position, use_cache=True, logits_to_keep=1,
+                                      **{keyword: cache}).logits[:, -1]
+
+        def to_float():
+            buffers["z"] = buffers["logits"].float()
+
+        def processors():
+            buffers["scores"] = process_logits(buffers["z"], state.seen, **decode.processing)
+
+        def draw():
+            buffers["token"] = gumbel_max(buffers["scores"])
+
+        def bookkeeping():
+            token = torch.where(state.finished, torch.full_like(buffers["token"], 0), buffers["token"])
+            state.tokens.index_copy_(1, state.index.clamp(max=args.new_tokens - 1), token[:, None])
+            state.finished |= (token[:, None] == state.eos).any(-1)
+            if state.seen is not None:
+                state.seen.scatter_(1, token[:, None], True)
+            state.token.copy_(token[:, None])
+
+        def whole():
+            forward()
+            state.take(buffers["logits"].float())
+            state.index.fill_(1)  # stay inside the buffers however often it is replayed
+            state.slot.fill_(context)
+            state.position.fill_(context)
+
+        times = {}
+        for name, fn in zip(PARTS, (forward, to_float, processors, draw, bookkeeping)):
+            times[name] = clock.graph_ms(fn)
+        times["step, one graph"] = clock.graph_ms(whole)
+        times["step, eager"] = clock.eager_ms(whole)
+    del cache
+    return times
+
+
+def main(argv=None) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    args = parse_args(argv)
+    log("versions: " + versions_line(versions(("torch", "transformers"))))
+    own = args.model_dir is None
+    if own:
+        args.model_dir = tempfile.mkdtemp(prefix="decode-profile-model-")
+        log("model: " + build_model(args.model_dir, tiny=args.tiny, dtype="bf16" if args.device == "cuda" else "fp32",
+                                    seed=args.seed))
+    try:
+        dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+        model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype).to(args.device).eval()
+        device = next(model.parameters()).device
+        gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+        shape = Shape.of(model.config, sum(p.numel() for p in model.parameters()), dtype.itemsize)
+        peaks = peaks_of(gpu)
+        clock = Clock(device, args.repeats)
+        rows = []
+        for batch in args.batches:
+            times = profile_batch(args, model, batch, clock)
+            step = times["step, one graph"]
+            for name, ms in times.items():
+                rows.append([str(batch), name, f"{ms:.3f}", f"{100 * ms / step:.0f}%" if name in PARTS else ""])
+            if peaks is not None:
+                context = args.prompt_length + args.new_tokens // 2
+                floor = 1000 * batch / limit_tokens_per_s(shape, peaks, context, [batch] * 2)
+                rows.append([str(batch), f"decode limit at context {context}", f"{floor:.3f}", ""])
+            log(f"batch {batch}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in times.items()))
+    finally:
+        if own:
+            shutil.rmtree(args.model_dir, ignore_errors=True)
+    flags = ", ".join(f"{k} {getattr(args, k)}" for k in ("temperature", "top_k", "top_p", "min_p",
+                                                          "repetition_penalty"))
+    title = (f"### one StaticDecode token, by part ({gpu}; context {args.prompt_length} + {args.new_tokens // 2}; "
+             f"{flags}; {'CUDA graph replays' if device.type == 'cuda' else 'eager, wall clock'}, mean of "
+             f"{args.repeats})")
+    text = title + "\n\n" + markdown(["batch", "part", "ms", "of the step"], rows, numeric={0, 2, 3})
+    log("\n" + text + "\n")
+    write_markdown(args, [text])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
