@@ -63,11 +63,14 @@ def plan_micro_batches(order: Sequence[int], micro: int, chunk: int, groups: Seq
         keep_membership: keep the padded micro-batches (loss terms defined per micro-batch).
     """
     padded = [list(order[i:i + micro]) for i in range(0, len(order), micro)]
-    if keep_membership:
-        return padded
 
     def tokens(part: list[int]) -> int:
         return group_tokens(prompt_lengths[part[0]], [completion_lengths[i] for i in part], share_prompt)
+
+    if keep_membership:
+        if budget is not None and any(sum(tokens(p) for p in _parts(r, groups)) > budget for r in padded):
+            warnings.warn(OVER_BUDGET, stacklevel=2)
+        return padded
 
     planned = []
     for first in range(0, len(padded), chunk):
