@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fusedalign.configs.common import FusedAlignConfig, check_choice
+from fusedalign.configs.packed import MAX_TOKENS_HELP, PADDING_FREE_HELP, check_packed_batching
 from fusedalign.distributed import check_compile_generation_supported
 from fusedalign.losses.grpo_advantages import AGGREGATIONS, SCALE_REWARDS
 from fusedalign.losses.grpo_policy import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, GRPOOptions
@@ -59,6 +60,26 @@ class GRPOConfig(FusedAlignConfig):
                                 "ranks x steps_per_generation."})
     steps_per_generation: int | None = field(
         default=None, metadata={"help": "Micro-batches per generation, per rank; None: gradient_accumulation_steps."})
+    # ---------------------------------------------------------------- packed rows (TRL 1.16 has none of these)
+    padding_free: bool = field(
+        default=False,
+        metadata={"help": PADDING_FREE_HELP + " Each micro-batch of completions is one row; the policy, old-policy "
+                  "and reference passes all read it."})
+    share_prompt: bool = field(
+        default=False,
+        metadata={"help": "With padding_free: the completions of one prompt in a micro-batch share one copy of it, "
+                  "each attending to the prompt and itself only, positions continuing from the prompt (P + sum C "
+                  "tokens a group instead of G x P + sum C). Needs an attention implementation that takes a mask "
+                  "(flex_attention, sdpa, eager)."})
+    max_tokens_per_batch: int | None = field(
+        default=None,
+        metadata={"help": "With padding_free: the completions of each optimizer step (the same ones as padded "
+                  "batches) are regrouped by prompt and packed into its gradient_accumulation_steps rows, at "
+                  "most this many tokens each where they fit (a step whose completions need more rows than it "
+                  "has forwards gets balanced rows over the budget, with a warning: raise the budget or "
+                  "gradient_accumulation_steps). Same update as padded batches (bnpo and top_entropy_quantile, "
+                  "defined per micro-batch, keep each micro-batch's completions). Must hold one prompt of "
+                  "max_prompt_length and a completion of max_completion_length."})
     temperature: float = field(default=1.0)
     top_p: float = field(default=1.0)
     top_k: int = field(default=0, metadata={"help": "0: no top-k filtering."})
@@ -122,6 +143,7 @@ class GRPOConfig(FusedAlignConfig):
         self._check_choices()
         self._check_numbers()
         self._check_batches()
+        self._check_packed()
         self.loss_options()  # loss-level checks (dr_grpo's constant ...)
 
     def _check_choices(self) -> None:
@@ -203,6 +225,15 @@ class GRPOConfig(FusedAlignConfig):
             if (self.per_device_eval_batch_size * self.world_size) % g:
                 raise ValueError(f"num_generations_eval ({g}) must divide per_device_eval_batch_size x ranks "
                                  f"({self.per_device_eval_batch_size * self.world_size}).")
+
+    def _check_packed(self) -> None:
+        check_packed_batching(self, "completion")
+        budget = self.max_tokens_per_batch
+        if budget is not None and self.max_prompt_length is not None:
+            longest = self.max_prompt_length + self.max_completion_length
+            if budget < longest:
+                raise ValueError(f"max_tokens_per_batch={budget} cannot hold one completion of max_prompt_length + "
+                                 f"max_completion_length = {longest} tokens; raise it to at least {longest}.")
 
     @property
     def resolved_generation_backend(self) -> str:

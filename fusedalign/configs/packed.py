@@ -1,4 +1,5 @@
-"""The checks of padding-free preference batches, shared by DPOConfig and KTOConfig.
+"""The checks of padding-free preference batches, shared by DPOConfig, KTOConfig and GRPOConfig
+(and RLOOConfig, which extends it).
 
 `padding_free`, `share_prompt` and `max_tokens_per_batch` are checked here once, when
 the config is made; what needs the model or the data (an attention implementation that
@@ -31,8 +32,8 @@ def check_packed_batching(args: Any, unit: str) -> None:
     """Refuses combinations of the packed-batch flags that cannot run (one line each).
 
     Args:
-        args: a DPOConfig or KTOConfig after `TrainingArguments.__post_init__`.
-        unit: what a micro-batch holds whole ("pair", "example"), for the messages.
+        args: a DPOConfig, KTOConfig or GRPOConfig after `TrainingArguments.__post_init__`.
+        unit: what a micro-batch holds whole ("pair", "example", "completion"), for the messages.
 
     Raises:
         ValueError: naming the flags and the way out.
@@ -42,7 +43,7 @@ def check_packed_batching(args: Any, unit: str) -> None:
             "share_prompt computes each prompt once inside a padding-free row: add --padding_free true "
             "(or drop --share_prompt)."
         )
-    multiple = args.pad_to_multiple_of
+    multiple = getattr(args, "pad_to_multiple_of", None)
     if multiple is not None and (isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1):
         raise ValueError(f"pad_to_multiple_of must be a positive number of tokens or None, got {multiple!r}.")
     budget = args.max_tokens_per_batch

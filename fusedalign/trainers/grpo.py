@@ -3,7 +3,8 @@
 Generation happens in the trainer's step preparation, once per generation window, before
 any forward of the step, by the rollout component the trainer holds
 (`trainers/grpo_rollout.py`), which owns the generation state and saves it in every
-checkpoint; it returns typed micro-batches (`trainers/grpo_batch.py`). The policy, old-policy and reference
+checkpoint; it returns typed micro-batches (`trainers/grpo_batch.py`; with `padding_free`,
+packed rows read back per completion, `trainers/grpo_packed_batch.py`). The policy, old-policy and reference
 log-probs all come from `token_logprobs`, i.e. from the fused head inside `lm_head`'s own
 forward, entropy in the same pass. The base normalises each micro-batch's loss sum by the
 loss type's items over the whole optimizer step and every rank (`losses/grpo.py` gives the
@@ -36,6 +37,7 @@ from fusedalign.trainers.base import FusedAlignTrainer
 from fusedalign.trainers.grpo_batch import GRPOMicroBatch
 from fusedalign.trainers.grpo_rollout import GroupAdvantages, GRPORollout, Split
 from fusedalign.trainers.policy import load_policy
+from fusedalign.trainers.preference_inputs import check_models
 from fusedalign.trainers.reference import Reference, load_reference_model
 
 
@@ -75,6 +77,7 @@ class GRPOTrainer(FusedAlignTrainer):
         args = args or GRPOConfig()
         policy = load_policy(model, args, processing_class, peft_config)
         reference = load_reference_model(ref_model, policy, args, needed=args.beta != 0.0)
+        check_models(args, policy.model, reference)
         tokenizer = policy.tokenizer
         reward_funcs = RewardFunctions(_reward_callables(reward_funcs, args), args.reward_weights)
         (train_dataset, train_split), (eval_dataset, eval_split) = (
@@ -167,8 +170,8 @@ class GRPOTrainer(FusedAlignTrainer):
         batch = inputs.require(old_logps=mode == "train" and args.needs_old_logps, ref_logps=args.beta != 0.0,
                                entropy_weight=args.entropy_coef > 0)
         mask = batch.loss_mask
-        out = self.token_logprobs(model, batch.model_inputs, batch.labels, entropy=True,
-                                  entropy_grad=args.entropy_coef > 0)
+        out = self.token_logprobs(model, *batch.forward_args(model), entropy=True, entropy_grad=args.entropy_coef > 0)
+        out = out._replace(logps=batch.per_completion(out.logps), entropy=batch.per_completion(out.entropy))
         entropy_mask = None
         if args.top_entropy_quantile < 1.0:
             # TRL's threshold: a quantile of every rank's valid token entropies of this micro-batch.

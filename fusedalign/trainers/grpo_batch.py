@@ -68,6 +68,14 @@ class GRPOMicroBatch(StepBatch):
     def input_tokens(self) -> Tensor:
         return self.attention_mask.sum()
 
+    def forward_args(self, model: Any) -> tuple[dict[str, Tensor], Tensor]:
+        """The forward's keyword arguments and its targets (the same for the policy, old policy and reference)."""
+        return self.model_inputs, self.labels
+
+    def per_completion(self, values: Tensor | None) -> Tensor | None:
+        """Per-token values of the forward [b, T] as the loss reads them (here: as they are)."""
+        return values
+
     def replace(self, **parts: Any) -> "GRPOMicroBatch":
         return dataclasses.replace(self, **parts)
 
@@ -85,6 +93,15 @@ class GRPOMicroBatch(StepBatch):
         """Its tensors on the CPU (for a checkpoint)."""
         return {f.name: None if (v := getattr(self, f.name)) is None else v.detach().cpu()
                 for f in dataclasses.fields(self)}
+
+    @staticmethod
+    def from_state(state: dict[str, Any]) -> "GRPOMicroBatch":
+        """A micro-batch from `state()` (a packed one's state names its rows)."""
+        if "rows" in state:
+            from fusedalign.trainers.grpo_packed_batch import PackedGRPOMicroBatch
+
+            return PackedGRPOMicroBatch.from_state(state)
+        return GRPOMicroBatch(**state)
 
 
 _WHY = {

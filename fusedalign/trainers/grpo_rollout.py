@@ -47,6 +47,7 @@ from fusedalign.rewards import format_completions, reward_columns
 from fusedalign.trainers.component_states import CheckpointError
 from fusedalign.trainers.grpo_batch import GRPOMicroBatch
 from fusedalign.trainers.grpo_completions import CompletionLog
+from fusedalign.trainers.grpo_packed_batch import PackedLayout
 
 EVAL_KEYS = 2**31  # evaluation's generation keys: EVAL_KEYS + the global step (training's stay below)
 
@@ -194,7 +195,7 @@ class GRPORollout:
         self.generations = int(state["generations"])
         window = state.get("window")
         self.window = None if window is None else Window(
-            [GRPOMicroBatch(**b) for b in window["batches"]], int(window["uses"]), int(window["served"]))
+            [GRPOMicroBatch.from_state(b) for b in window["batches"]], int(window["uses"]), int(window["served"]))
 
     # ------------------------------------------------------------------ one window
 
@@ -232,7 +233,7 @@ class GRPORollout:
         if mode == "train":
             self.completion_log.add(trainer_state.global_step + 1, [r["prompt"] for r in rows], completions,
                                     rewards, self.reward_funcs.names, advantages)
-        return [b.replace(advantages=advantages[idx].to(b.labels.device)) for b, idx in batches]
+        return [b.replace(advantages=advantages[idx].to(b.loss_mask.device)) for b, idx in batches]
 
     def _cut(self, model: Any, rows: list, prompt_ids: list, out: Any, truncated: torch.Tensor, mode: str,
              key: int) -> tuple[list[tuple[GRPOMicroBatch, list[int]]], torch.Tensor | None]:
@@ -245,14 +246,21 @@ class GRPORollout:
         micro = args.per_device_train_batch_size if mode == "train" else len(rows)
         if len(rows) > micro:  # several micro-batches: decorrelate them (seeded, as TRL shuffles)
             order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(args.seed + key + 1)).tolist()
+        cuts = [order[first:first + micro] for first in range(0, len(rows), micro)]
+        packed = getattr(args, "padding_free", False)
+        if packed:  # packed rows: completions regrouped by prompt (data/grpo_packing.py)
+            layout = PackedLayout.of(args, mode, self.accelerator.process_index * len(rows), prompt_ids, out)
+            cuts = layout.plan(order, micro)
         batches, kls = [], {}
-        for first in range(0, len(rows), micro):
-            idx = order[first:first + micro]
-            parts = completion_batch([prompt_ids[i] for i in idx], [out.completion_ids[i] for i in idx],
-                                     self.tokenizer.pad_token_id, None if loss_rows is None else loss_rows[idx])
-            batch = GRPOMicroBatch(input_ids=parts["input_ids"].to(device),
-                                   attention_mask=parts["attention_mask"].to(device),
-                                   labels=parts["labels"].to(device), advantages=torch.zeros(len(idx), device=device))
+        for idx in cuts:
+            if packed:
+                batch = layout.micro_batch(idx, loss_rows, device)
+            else:
+                parts = completion_batch([prompt_ids[i] for i in idx], [out.completion_ids[i] for i in idx],
+                                         self.tokenizer.pad_token_id, None if loss_rows is None else loss_rows[idx])
+                batch = GRPOMicroBatch(input_ids=parts["input_ids"].to(device),
+                                       attention_mask=parts["attention_mask"].to(device), labels=parts["labels"].to(
+                                           device), advantages=torch.zeros(len(idx), device=device))
             batch, kl = self._with_fixed_logps(model, batch, mode)
             batches.append((batch, idx))
             if kl is not None:
@@ -279,13 +287,14 @@ class GRPORollout:
         with the KL in the reward (else None)."""
         old = ref = policy = kl = None
         kl_in_reward = self.advantages.kl_in_reward and self.args.beta != 0.0
+        score = lambda m: batch.per_completion(self.score(m, *batch.forward_args(m)))  # noqa: E731
         with torch.no_grad():
             if (mode == "train" and self.args.needs_old_logps) or kl_in_reward:
-                policy = self.score(model, batch.model_inputs, batch.labels)
+                policy = score(model)
             if mode == "train" and self.args.needs_old_logps:
                 old = policy
             if self.args.beta != 0.0:
-                ref = self.reference.run(model, lambda m: self.score(m, batch.model_inputs, batch.labels))
+                ref = self.reference.run(model, score)
             if kl_in_reward:
                 kl, ref = (policy - ref) * batch.loss_mask, None
         return batch.replace(old_logps=old, ref_logps=ref), kl

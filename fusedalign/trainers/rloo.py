@@ -66,14 +66,15 @@ class RLOOTrainer(GRPOTrainer):
 
     def count_items(self, inputs: GRPOMicroBatch) -> torch.Tensor:
         """Sequences: TRL means the per-sequence losses of each micro-batch."""
-        return torch.tensor(float(inputs.labels.shape[0]), device=inputs.labels.device)
+        return torch.tensor(float(inputs.loss_mask.shape[0]), device=inputs.loss_mask.device)
 
     def loss_and_metrics(self, model: nn.Module, inputs: GRPOMicroBatch,
                          mode: str) -> tuple[torch.Tensor, GRPOLossMetrics]:
         args = self.args
         batch = inputs.require(old_logps=mode == "train" and args.needs_old_logps, ref_logps=False,
                                entropy_weight=False)
-        out = self.token_logprobs(model, batch.model_inputs, batch.labels, entropy=True)
-        result = rloo_loss(out.logps, batch.loss_mask, batch.advantages, old_logps=batch.old_logps,
-                           epsilon=args.epsilon, epsilon_high=args.epsilon_high, entropy=out.entropy)
+        out = self.token_logprobs(model, *batch.forward_args(model), entropy=True)
+        result = rloo_loss(batch.per_completion(out.logps), batch.loss_mask, batch.advantages,
+                           old_logps=batch.old_logps, epsilon=args.epsilon, epsilon_high=args.epsilon_high,
+                           entropy=batch.per_completion(out.entropy))
         return result.loss_sum, result.metrics

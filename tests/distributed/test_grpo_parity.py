@@ -18,6 +18,8 @@ Three splits that layout never makes, on DDP and, where noted, ZeRO-3:
 - one rank all masked (also ZeRO-3): every completion of rank 0's share truncated and masked
   while rank 1 has loss tokens, the entropy quantile's cross-rank gather included.
 The keys each rank generated for (run_scenarios.py records them) show each split happened.
+On every backend, packed rows (`packed_kl_mu2`: padding_free, share_prompt, a token budget,
+beta > 0, num_iterations 2, 2 ranks x accumulation 2 x batch 2) against padded 1 x 1 x 8.
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ BASELINE = [
     {**GRPO, "name": "span", "fused": False, "per_device_batch": 8, "num_generations": 8},
     {**GRPO, "name": "masked_rank0", "fused": False, "per_device_batch": 8, **MASKED_RANK0},
     {**GRPO, "name": "keyed_mu2", "fused": False, "per_device_batch": 8, "keyed": True, "num_iterations": 2},
+    {**GRPO, "name": "grpo_kl_mu2", "fused": False, "per_device_batch": 8, "loss_type": "grpo", "beta": 0.1,
+     "num_iterations": 2},
 ]
 _common = [
     ({**GRPO, "name": "fused", "fused": True, "per_device_batch": 4}, "dapo"),
@@ -74,11 +78,16 @@ _masked_rank0 = ({**GRPO, "name": "masked_rank0", "fused": True, "per_device_bat
 # keys the draws of step 3, come from the checkpoint.
 _resumed = ({**GRPO, "name": "keyed_mu2_resumed", "fused": True, "per_device_batch": 4, "keyed": True,
              "num_iterations": 2, "resume_at": 1}, "keyed_mu2")
+# Packed rows: each rank's prompt group (4 completions) in one shared-prompt row, split into the
+# step's 2 forwards under the budget; the old-policy and reference passes on the same rows.
+_packed = ({**GRPO, "name": "packed_kl_mu2", "fused": True, "per_device_batch": 2, "grad_accum": 2,
+            "loss_type": "grpo", "beta": 0.1, "num_iterations": 2, "padding_free": True, "share_prompt": True,
+            "max_tokens_per_batch": 80}, "grpo_kl_mu2")
 SCENARIOS = {
-    "ddp": _common + [_lora, _span, _accum, _masked_rank0],
-    "zero2": _common + [_kl],
-    "zero3": _common + [_kl, _lora, _keyed, _keyed_static, _span, _masked_rank0, _resumed],
-    "fsdp2": _common + [_kl, _lora, _keyed, _keyed_static],
+    "ddp": _common + [_lora, _span, _accum, _masked_rank0, _packed],
+    "zero2": _common + [_kl, _packed],
+    "zero3": _common + [_kl, _lora, _keyed, _keyed_static, _span, _masked_rank0, _resumed, _packed],
+    "fsdp2": _common + [_kl, _lora, _keyed, _keyed_static, _packed],
 }
 CASES = [(backend, spec["name"], want) for backend in BACKENDS for spec, want in SCENARIOS[backend]]
 COMPARED = ("reward", "reward_std", "kl", "entropy", "completions/mean_length", "clip_ratio/region_mean")

@@ -8,7 +8,8 @@ gathered over ranks with the rewards before the leave-one-out baseline (`kl`); n
 makes the second update off-policy, so the whole-sequence ratio leaves 1 and clips
 (`mu2_kl`, with normalize_advantages, reward_clip_range and epsilon_high); and groups of 8
 span both ranks (`span`: each baseline needs the other rank's rewards and KL). Per step: the
-loss, rewards, KL, entropy and clip ratio; at the end every weight, to 1e-5.
+loss, rewards, KL, entropy and clip ratio; at the end every weight, to 1e-5. On every backend,
+packed shared-prompt rows under a token budget, beta > 0, num_iterations 2 (`packed_kl_mu2`) against the padded baseline.
 """
 
 from __future__ import annotations
@@ -28,11 +29,19 @@ BASELINE = [
     {**RLOO, "name": "kl_fused", "fused": True, "per_device_batch": 8, "beta": 0.1},
     {**RLOO, "name": "mu2_kl", "fused": False, "per_device_batch": 8, **MU2},
     {**RLOO, "name": "span", "fused": False, "per_device_batch": 8, "num_generations": 8, "beta": 0.1},
+    {**RLOO, "name": "kl_mu2", "fused": False, "per_device_batch": 8, "beta": 0.1, "num_iterations": 2},
 ]
 _kl = ({**RLOO, "name": "kl", "fused": True, "per_device_batch": 4, "beta": 0.1}, "kl")
 _mu2 = ({**RLOO, "name": "mu2_kl", "fused": True, "per_device_batch": 4, **MU2}, "mu2_kl")
 _span = ({**RLOO, "name": "span", "fused": True, "per_device_batch": 4, "num_generations": 8, "beta": 0.1}, "span")
-SCENARIOS = {"ddp": [_kl, _mu2, _span], "zero2": [_kl, _mu2], "zero3": [_kl, _mu2, _span], "fsdp2": [_kl, _mu2]}
+# Packed rows: padding_free, share_prompt, a token budget; 2 ranks x accumulation 2 x batch 2, the
+# generation's sequence log-probs (the KL in the reward) and the old policy's on the same rows.
+# (At mu2_kl's learning rate of 0.5 the packed rows' attention rounding, ~1e-7 a log-prob, grows
+# past 1e-5 in a few lm_head weights by step 3; the default 0.1 keeps the comparison at 1e-5.)
+_packed = ({**RLOO, "name": "packed_kl_mu2", "fused": True, "per_device_batch": 2, "grad_accum": 2, "beta": 0.1,
+            "num_iterations": 2, "padding_free": True, "share_prompt": True, "max_tokens_per_batch": 80}, "kl_mu2")
+SCENARIOS = {"ddp": [_kl, _mu2, _span, _packed], "zero2": [_kl, _mu2, _packed], "zero3": [_kl, _mu2, _span, _packed],
+             "fsdp2": [_kl, _mu2, _packed]}
 CASES = [(backend, spec["name"], want) for backend in BACKENDS for spec, want in SCENARIOS[backend]]
 COMPARED = ("reward", "reward_std", "kl", "entropy", "completions/mean_length", "clip_ratio/region_mean")
 

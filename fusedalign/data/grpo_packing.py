@@ -1,0 +1,160 @@
+"""GRPO's completions as packed rows: which completions share a micro-batch, and the row they make.
+
+A rank's generation window holds `per_device_train_batch_size x steps_per_generation`
+completions. Padded, they are shuffled (seeded) and cut into `steps_per_generation`
+micro-batches; the trainer runs `gradient_accumulation_steps` of them per optimizer step.
+The number of forwards per optimizer step is the Trainer's (one per dataloader item, the
+same on every rank, as ZeRO-3 and FSDP2 need), so packing never changes it: it changes
+only what each forward holds.
+
+What an optimizer step means is the set of completions it trains on. Every optimizer step
+boundary inside a window falls on a multiple of `gcd(steps_per_generation,
+gradient_accumulation_steps)` micro-batches (a window starts at a multiple of
+`steps_per_generation`), so completions may move freely between the micro-batches of one
+such *chunk* and no step changes: `plan_micro_batches` regroups each chunk's completions by
+prompt (so that with `share_prompt` a group's completions share one copy of the prompt) and
+packs the groups into the chunk's rows, best-fit decreasing under `max_tokens_per_batch`,
+splitting the fullest row while there are fewer rows than forwards and balancing rows over
+the budget (with a warning) when there are more. Loss terms defined per micro-batch (bnpo's
+token mean, top_entropy_quantile's threshold) keep the padded micro-batches instead.
+
+`pack_completions` lays one micro-batch out as a row (`data.packed_rows`): sequence i is
+the micro-batch's i-th completion, whatever its place in the row.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+
+import torch
+
+from .packed_rows import PackedRows, _Row, group_tokens
+from .packing import _bins
+
+OVER_BUDGET = ("max_tokens_per_batch: an optimizer step's completions need more rows of the budget than the step has "
+               "forwards (gradient_accumulation_steps); its rows are balanced over the budget. Raise "
+               "max_tokens_per_batch or gradient_accumulation_steps (with steps_per_generation).")
+
+
+def _parts(members: Sequence[int], groups: Sequence[int]) -> list[list[int]]:
+    """The completions of `members` by group, groups in order of first appearance."""
+    by_group: dict[int, list[int]] = {}
+    for i in members:
+        by_group.setdefault(groups[i], []).append(i)
+    return list(by_group.values())
+
+
+def plan_micro_batches(order: Sequence[int], micro: int, chunk: int, groups: Sequence[int], prompt_lengths: Sequence[int],
+                       completion_lengths: Sequence[int], *, share_prompt: bool, budget: int | None,
+                       keep_membership: bool) -> list[list[int]]:
+    """The micro-batches of a window, as lists of its completions' indices (module docstring).
+
+    Args:
+        order: the window's completions in the padded order (shuffled or not).
+        micro: completions per padded micro-batch.
+        chunk: micro-batches between which completions may move (gcd of steps_per_generation and
+            gradient_accumulation_steps; 1: none).
+        groups: the prompt group of each completion.
+        prompt_lengths, completion_lengths: tokens of each completion's prompt and completion.
+        share_prompt: a group's completions in one row share one copy of the prompt.
+        budget: max_tokens_per_batch, or None.
+        keep_membership: keep the padded micro-batches (loss terms defined per micro-batch).
+    """
+    padded = [list(order[i:i + micro]) for i in range(0, len(order), micro)]
+
+    def tokens(part: list[int]) -> int:
+        return group_tokens(prompt_lengths[part[0]], [completion_lengths[i] for i in part], share_prompt)
+
+    if keep_membership:
+        if budget is not None and any(sum(tokens(p) for p in _parts(r, groups)) > budget for r in padded):
+            warnings.warn(OVER_BUDGET, stacklevel=2)
+        return padded
+
+    planned = []
+    for first in range(0, len(padded), chunk):
+        rows = padded[first:first + chunk]
+        parts = _parts([i for r in rows for i in r], groups)
+        if budget is None:
+            bins = [parts]
+        else:
+            bins = [[parts[j] for j in sorted(b)] for b in _bins([tokens(p) for p in parts], budget)]
+        bins = _to_count(bins, len(rows), tokens)
+        if budget is not None and any(sum(tokens(p) for p in b) > budget for b in bins):
+            warnings.warn(OVER_BUDGET, stacklevel=2)
+        planned += [[i for p in b for i in p] for b in bins]
+    return planned
+
+
+def _to_count(bins: list[list[list[int]]], count: int, tokens) -> list[list[list[int]]]:
+    """Exactly `count` rows: the fullest splittable row split in two while there are fewer (its groups
+    halved, or a lone group's completions), the rows dealt fullest first to the emptiest while there
+    are more."""
+    size = lambda b: sum(tokens(p) for p in b)  # noqa: E731
+    while len(bins) < count:
+        splittable = [j for j, b in enumerate(bins) if sum(len(p) for p in b) > 1]
+        j = max(splittable, key=lambda j: (size(bins[j]), -j))
+        b = bins[j]
+        if len(b) > 1:
+            halves = [b[:len(b) // 2], b[len(b) // 2:]]
+        else:
+            half = len(b[0]) // 2
+            halves = [[b[0][:half]], [b[0][half:]]]
+        bins[j:j + 1] = halves
+    if len(bins) > count:
+        rows: list[list[list[int]]] = [[] for _ in range(count)]
+        for b in sorted(bins, key=lambda b: -size(b)):
+            min(rows, key=size).extend(b)
+        bins = rows
+    return bins
+
+
+def pack_completions(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], groups: Sequence[int],
+                     scored: Sequence[bool], *, share_prompt: bool) -> tuple[PackedRows, torch.Tensor]:
+    """One micro-batch's completions as one packed row.
+
+    Args:
+        prompts, completions, groups: per completion of the micro-batch (n of them).
+        scored: per completion, whether its tokens enter the loss (False: a truncated completion
+            with mask_truncated_completions; it is still in the row).
+        share_prompt: the completions of one group share one copy of its prompt.
+
+    Returns:
+        the row (sequence i: completion i; groups: the micro-batch's distinct groups), and
+        positions [n, C] long: where in the flattened row completion i's token t is scored
+        (C its longest scored completion; -1 past a completion's end).
+    """
+    row, n = _Row(), len(completions)
+    order = _parts(range(n), groups)
+    for part in order:
+        prompt = list(prompts[part[0]])
+        parent = -1
+        if share_prompt and len(prompt) > 1:
+            parent = row.add(prompt[:-1], [0] * (len(prompt) - 1), 0, -1, -1)
+        for i in part:
+            comp, s = list(completions[i]), int(bool(scored[i]))
+            if parent >= 0:
+                row.add(prompt[-1:] + comp, [0] + [s] * len(comp), len(prompt) - 1, parent, i)
+            else:
+                row.add(prompt + comp, [0] * len(prompt) + [s] * len(comp), 0, -1, i)
+    cols = {k: torch.tensor([v], dtype=torch.long) for k, v in row.cols.items()}
+    seq = cols["sequence_ids"][0]
+    scored_tokens = torch.bincount(seq[seq >= 0], minlength=n)
+    group_of = {g: j for j, g in enumerate(dict.fromkeys(groups))}
+    rows = PackedRows(
+        cols["input_ids"], cols["position_ids"], cols["segment_ids"], cols["parent_ids"], cols["labels"],
+        cols["sequence_ids"], scored_tokens, torch.tensor([group_of[g] for g in groups], dtype=torch.long),
+        torch.tensor([len(p) + len(c) for p, c in zip(prompts, completions)], dtype=torch.long))
+    width = max(int(scored_tokens.max()) if n else 0, 1)
+    positions = torch.full((n, width), -1, dtype=torch.long)
+    flat = torch.arange(seq.numel())
+    for i in range(n):
+        where = flat[seq == i]
+        positions[i, :where.numel()] = where
+    return rows, positions
+
+
+def window_chunk(steps_per_generation: int, gradient_accumulation_steps: int) -> int:
+    """Micro-batches of a window between which completions may move without changing any optimizer step."""
+    return math.gcd(steps_per_generation, gradient_accumulation_steps)

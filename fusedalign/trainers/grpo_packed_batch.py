@@ -1,0 +1,160 @@
+"""GRPO's prepared micro-batch on a packed row (`padding_free`): GRPOMicroBatch's parts, per completion.
+
+The forward reads one packed row (`data.packed_rows.PackedRows`, made by
+`data.grpo_packing.pack_completions`): completions with their prompts, or with
+`share_prompt` a group's completions after one copy of its prompt. The loss reads the
+per-token values of that forward gathered back per completion, `[n, C]` (completion i's
+token t in column t), so `losses.grpo_loss` and `losses.rloo_loss` run unchanged on the same
+numbers, in the same order, as on padded rows. The old-policy and reference log-probs were
+computed on the same row at generation and are stored the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from fusedalign.data.grpo_packing import pack_completions, plan_micro_batches, window_chunk
+from fusedalign.data.packed_rows import PackedRows
+from fusedalign.trainers.grpo_batch import _WHY
+from fusedalign.trainers.step_batch import StepBatch, require_parts
+
+_ROW_FIELDS = [f.name for f in dataclasses.fields(PackedRows) if f.name != "_forward"]
+
+
+def rows_to(rows: PackedRows, device: torch.device | str) -> PackedRows:
+    """The rows on `device` (the same object when already there: its forward arguments stay cached)."""
+    moved = {name: getattr(rows, name) for name in _ROW_FIELDS}
+    if all(v is None or v.device == torch.device(device) for v in moved.values()):
+        return rows
+    return PackedRows(**{k: None if v is None else v.to(device) for k, v in moved.items()})
+
+
+@dataclass(frozen=True)
+class PackedGRPOMicroBatch(StepBatch):
+    """One micro-batch of n completions in a packed row, ready for the loss.
+
+    Attributes:
+        rows: the packed row the policy, old policy and reference read (sequence i: completion i).
+        positions: [n, C] long, where in the flattened row completion i's token t is scored;
+            -1 past its end (and on every token of a completion left out of the loss).
+        advantages: [n].
+        old_logps, ref_logps: [n, C] or None, as GRPOMicroBatch's.
+        entropy_weight: [] or None, as GRPOMicroBatch's.
+    """
+
+    rows: PackedRows
+    positions: Tensor
+    advantages: Tensor
+    old_logps: Tensor | None = None
+    ref_logps: Tensor | None = None
+    entropy_weight: Tensor | None = None
+
+    def __post_init__(self):
+        shape = tuple(self.positions.shape)
+        for name in ("old_logps", "ref_logps"):
+            value = getattr(self, name)
+            if value is not None and tuple(value.shape) != shape:
+                raise ValueError(f"PackedGRPOMicroBatch.{name} has shape {tuple(value.shape)}; positions have {shape}")
+        if self.advantages.shape[0] != shape[0] or self.rows.num_sequences != shape[0]:
+            raise ValueError(f"PackedGRPOMicroBatch: {self.advantages.shape[0]} advantages and "
+                             f"{self.rows.num_sequences} sequences for {shape[0]} completions")
+
+    @property
+    def loss_mask(self) -> Tensor:
+        """[n, C] bool: the completion tokens in the loss."""
+        return self.positions >= 0
+
+    def forward_args(self, model: Any) -> tuple[dict[str, Any], Tensor]:
+        """The row's forward arguments for `model` (built once per model signature) and its targets."""
+        return self.rows.model_inputs(model), self.rows.labels
+
+    def per_completion(self, values: Tensor | None) -> Tensor | None:
+        """Per-token values of the forward [1, L] as [n, C] per completion, 0 past each end; differentiable."""
+        if values is None:
+            return None
+        mask = self.loss_mask
+        gathered = values.reshape(-1)[self.positions.clamp(min=0).to(values.device)]
+        return torch.where(mask.to(values.device), gathered, torch.zeros((), dtype=values.dtype, device=values.device))
+
+    def input_tokens(self) -> Tensor:
+        return self.rows.input_tokens()
+
+    def forward_tokens(self) -> int:
+        return self.rows.forward_tokens()
+
+    def replace(self, **parts: Any) -> "PackedGRPOMicroBatch":
+        return dataclasses.replace(self, **parts)
+
+    def to(self, device: torch.device | str) -> "PackedGRPOMicroBatch":
+        tensors = {k: getattr(self, k) for k in ("positions", "advantages", "old_logps", "ref_logps", "entropy_weight")}
+        return dataclasses.replace(self, rows=rows_to(self.rows, device),
+                                   **{k: None if v is None else v.to(device) for k, v in tensors.items()})
+
+    def require(self, *, old_logps: bool, ref_logps: bool, entropy_weight: bool) -> "PackedGRPOMicroBatch":
+        """Refuses a batch whose optional parts are not exactly those the configuration needs."""
+        require_parts("PackedGRPOMicroBatch", {name: (getattr(self, name), needed, _WHY[name]) for name, needed in (
+            ("old_logps", old_logps), ("ref_logps", ref_logps), ("entropy_weight", entropy_weight))})
+        return self
+
+    def state(self) -> dict[str, Any]:
+        """Its tensors on the CPU (for a checkpoint); `rows` holds the row's."""
+        cpu = lambda v: None if v is None else v.detach().cpu()  # noqa: E731
+        state = {k: cpu(getattr(self, k)) for k in ("positions", "advantages", "old_logps", "ref_logps",
+                                                       "entropy_weight")}
+        state["rows"] = {name: cpu(getattr(self.rows, name)) for name in _ROW_FIELDS}
+        return state
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> "PackedGRPOMicroBatch":
+        parts = dict(state)
+        return cls(rows=PackedRows(**parts.pop("rows")), **parts)
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    """How one generation's completions (this rank's) become packed micro-batches (`data.grpo_packing`).
+
+    Attributes:
+        prompts, completions: token ids per completion, in the rank's order.
+        groups: the prompt group of each completion (its place in the whole generation batch // G).
+        share_prompt, budget: the config's `share_prompt` and `max_tokens_per_batch` (None in evaluation).
+        chunk: micro-batches between which completions may move (1 in evaluation: one micro-batch).
+        keep_membership: the loss has a term defined per micro-batch (bnpo, top_entropy_quantile).
+    """
+
+    prompts: list
+    completions: list
+    groups: list
+    share_prompt: bool
+    budget: int | None
+    chunk: int
+    keep_membership: bool
+
+    @classmethod
+    def of(cls, args: Any, mode: str, offset: int, prompt_ids: list, out: Any) -> "PackedLayout":
+        train = mode == "train"
+        G = args.num_generations if train else (args.num_generations_eval or args.num_generations)
+        completions = [list(c) for c in out.completion_ids]
+        keep = getattr(args, "loss_type", None) == "bnpo" or getattr(args, "top_entropy_quantile", 1.0) < 1.0
+        return cls(prompt_ids, completions, [(offset + j) // G for j in range(len(completions))], args.share_prompt,
+                   args.max_tokens_per_batch if train else None,
+                   window_chunk(args.steps_per_generation, args.gradient_accumulation_steps) if train else 1, keep)
+
+    def plan(self, order: list[int], micro: int) -> list[list[int]]:
+        """The micro-batches (completion indices), as many as the padded cut of `order` into `micro`."""
+        return plan_micro_batches(order, micro, self.chunk, self.groups, [len(p) for p in self.prompts],
+                                  [len(c) for c in self.completions], share_prompt=self.share_prompt,
+                                  budget=self.budget, keep_membership=self.keep_membership)
+
+    def micro_batch(self, idx: list[int], loss_rows: Tensor | None, device: Any) -> PackedGRPOMicroBatch:
+        """The micro-batch of completions `idx` (advantages still 0); `loss_rows` [n] bool or None: all."""
+        scored = [True] * len(idx) if loss_rows is None else [bool(loss_rows[i]) for i in idx]
+        rows, positions = pack_completions([self.prompts[i] for i in idx], [self.completions[i] for i in idx],
+                                           [self.groups[i] for i in idx], scored, share_prompt=self.share_prompt)
+        return PackedGRPOMicroBatch(rows_to(rows, device), positions.to(device),
+                                    torch.zeros(len(idx), device=device))

@@ -1,0 +1,202 @@
+"""GRPO and RLOO on packed rows (`padding_free`, `share_prompt`, `max_tokens_per_batch`): the plan of
+micro-batches, and training equal to padded unfused training for every loss type, with beta > 0,
+num_iterations 2, uneven completions (one-token and truncated ones) and a budget just above the
+longest group; gradient checkpointing (and its offload) on packed rows changes nothing."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from datasets import Dataset
+
+from fusedalign.configs import GRPOConfig, RLOOConfig
+from fusedalign.data import load_dataset_any
+from fusedalign.data.grpo_packing import OVER_BUDGET, pack_completions, plan_micro_batches
+from fusedalign.data.packed_rows import group_tokens
+from fusedalign.data.prompts import prepare_prompt_dataset
+from fusedalign.models import load_model, load_tokenizer
+from fusedalign.trainers.grpo import GRPOTrainer
+from fusedalign.trainers.grpo_packed_batch import PackedGRPOMicroBatch
+from fusedalign.trainers.rloo import RLOOTrainer
+from tests.grpo_replay import token_sum_reward, uneven_replay
+
+MODEL = "builtin:tiny-qwen2"
+ROWS, G = 16, 4
+LOSS_TYPES = ["grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"]
+COMPARED = ("loss", "reward", "reward_std", "kl", "entropy", "clip_ratio/low_mean", "clip_ratio/low_min",
+            "clip_ratio/high_mean", "clip_ratio/high_max", "clip_ratio/region_mean", "cispo_clip_ratio",
+            "vespo/phi_seq_mean", "num_tokens", "completions/mean_length")
+
+
+@pytest.fixture(scope="module")
+def prompts() -> Dataset:
+    return load_dataset_any("builtin:zen", "standard_prompt_only").select(range(ROWS))
+
+
+@pytest.fixture(scope="module")
+def replay():
+    # Every 3rd completion truncated (no EOS), lengths 1..11: one-token completions, with and without EOS.
+    return uneven_replay(ROWS, G, load_tokenizer(MODEL).eos_token_id, truncate_every=3)
+
+
+@pytest.fixture(scope="module")
+def longest_group(prompts, replay) -> int:
+    """Tokens of the longest prompt group in a shared-prompt row."""
+    rows, _ = prepare_prompt_dataset(prompts, load_tokenizer(MODEL))
+    return max(group_tokens(len(rows[r]["prompt_ids"]), [len(replay.records[(r, g)][0]) for g in range(G)], True)
+               for r in range(ROWS))
+
+
+def _train(tmp_path, prompts, replay, trainer_cls=GRPOTrainer, config_cls=GRPOConfig, **overrides):
+    values = dict(
+        output_dir=str(tmp_path), max_steps=4, learning_rate=0.1, optim="sgd", lr_scheduler_type="constant",
+        warmup_steps=0, weight_decay=0.0, max_grad_norm=0.0, per_device_train_batch_size=4,
+        gradient_accumulation_steps=2, num_generations=G, max_completion_length=12, logging_steps=1,
+        save_strategy="no", seed=0, report_to="none", disable_tqdm=True, shuffle_dataset=False, beta=0.04,
+        num_iterations=2, mask_truncated_completions=True,
+    )
+    values.update(overrides)
+    torch.manual_seed(0)
+    trainer = trainer_cls(load_model(MODEL), reward_funcs=token_sum_reward, args=config_cls(**values),
+                          train_dataset=prompts, generator=replay)
+    seen = []  # per micro-batch: the batch and its advantages
+    inner = trainer.loss_and_metrics
+
+    def recording(model, inputs, mode):
+        seen.append(inputs)
+        return inner(model, inputs, mode)
+
+    trainer.loss_and_metrics = recording
+    trainer.train()
+    logs = [e for e in trainer.state.log_history if "loss" in e]
+    return logs, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, seen
+
+
+def _step_advantages(seen, accumulation: int) -> list[list[float]]:
+    """Each optimizer step's advantages, sorted (packing may move completions between its micro-batches)."""
+    steps = [seen[i:i + accumulation] for i in range(0, len(seen), accumulation)]
+    return [sorted(float(a) for b in step for a in b.advantages) for step in steps]
+
+
+def _assert_same_training(packed, padded, accumulation=2):
+    assert len(packed[0]) == len(padded[0]) >= 4
+    for step, (a, b) in enumerate(zip(packed[0], padded[0])):
+        assert set(a) == set(b)
+        for key in COMPARED:
+            if key in b:
+                assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (step, key)
+    assert any(e.get("kl", 0) > 0 for e in padded[0])  # beta > 0 reached the loss
+    for a, b in zip(_step_advantages(packed[2], accumulation), _step_advantages(padded[2], accumulation)):
+        assert a == pytest.approx(b, rel=1e-6, abs=1e-7)
+    for key, value in padded[1].items():
+        torch.testing.assert_close(packed[1][key], value, rtol=1e-5, atol=1e-6, msg=key)
+    assert any(not torch.equal(v, load_model(MODEL).state_dict()[k]) for k, v in padded[1].items())
+
+
+def _assert_packed(seen, budget: int | None):
+    assert all(isinstance(b, PackedGRPOMicroBatch) for b in seen)
+    assert all(bool((b.rows.parent_ids >= 0).any()) for b in seen)  # prompts shared in every row
+    if budget is not None:
+        assert max(b.rows.forward_tokens() for b in seen) <= budget
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_packed_shared_prompt_grpo_equals_padded_unfused(tmp_path, prompts, replay, longest_group, loss_type):
+    budget = longest_group + 1
+    padded = _train(tmp_path / "p", prompts, replay, loss_type=loss_type, fused_head=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        packed = _train(tmp_path / "k", prompts, replay, loss_type=loss_type, padding_free=True, share_prompt=True,
+                        max_tokens_per_batch=budget)
+    assert any(str(w.message) == OVER_BUDGET for w in caught) == (loss_type == "bnpo")
+    _assert_same_training(packed, padded)
+    _assert_packed(packed[2], None if loss_type == "bnpo" else budget)  # bnpo keeps the padded micro-batches
+    # The groups are regrouped whole (two per window, one a row) unless the loss is defined per micro-batch.
+    regrouped = [len(set(b.rows.sequence_group.tolist())) == 1 for b in packed[2]]
+    assert all(regrouped) == (loss_type != "bnpo")
+
+
+def test_a_window_over_several_optimizer_steps_keeps_each_steps_completions(tmp_path, prompts, replay):
+    """steps_per_generation 4, accumulation 2: completions move only within a step's micro-batches."""
+    common = dict(loss_type="dapo", per_device_train_batch_size=2, steps_per_generation=4, max_steps=4)
+    padded = _train(tmp_path / "p", prompts, replay, fused_head=False, **common)
+    packed = _train(tmp_path / "k", prompts, replay, padding_free=True, share_prompt=True, **common)
+    _assert_same_training(packed, padded)
+
+
+def test_packed_shared_prompt_rloo_equals_padded_unfused(tmp_path, prompts, replay, longest_group):
+    common = dict(trainer_cls=RLOOTrainer, config_cls=RLOOConfig, beta=0.05)
+    padded = _train(tmp_path / "p", prompts, replay, fused_head=False, **common)
+    packed = _train(tmp_path / "k", prompts, replay, padding_free=True, share_prompt=True,
+                    max_tokens_per_batch=longest_group + 1, **common)
+    _assert_same_training(packed, padded)
+    _assert_packed(packed[2], longest_group + 1)
+
+
+OFFLOAD = pytest.param({"offload": True}, id="offload", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="transformers' offload pins host memory, which needs an accelerator"))
+
+
+@pytest.mark.parametrize("kwargs", [pytest.param({}, id="checkpointing"), OFFLOAD])
+def test_gradient_checkpointing_on_packed_rows_changes_nothing(tmp_path, prompts, replay, longest_group, kwargs):
+    common = dict(padding_free=True, share_prompt=True, max_tokens_per_batch=longest_group + 1, loss_type="dapo")
+    plain = _train(tmp_path / "a", prompts, replay, **common)
+    checkpointed = _train(tmp_path / "c", prompts, replay, gradient_checkpointing=True,
+                          gradient_checkpointing_kwargs=kwargs or None, **common)
+    _assert_same_training(checkpointed, plain)
+
+
+# ---------------------------------------------------------------------- the plan and the row
+
+
+def test_plan_keeps_the_forward_count_and_each_chunks_completions():
+    groups = [i // 4 for i in range(16)]
+    order = torch.randperm(16, generator=torch.Generator().manual_seed(0)).tolist()
+    lengths = [1 + (7 * i) % 11 for i in range(16)]
+    plan = plan_micro_batches(order, 4, 2, groups, [5] * 16, lengths, share_prompt=True, budget=None,
+                              keep_membership=False)
+    assert len(plan) == 4
+    for c in (0, 2):
+        assert sorted(plan[c] + plan[c + 1]) == sorted(order[4 * c:4 * c + 8])
+    kept = plan_micro_batches(order, 4, 2, groups, [5] * 16, lengths, share_prompt=True, budget=None,
+                              keep_membership=True)
+    assert kept == [order[i:i + 4] for i in range(0, 16, 4)]
+
+
+def test_plan_fills_the_budget_and_warns_when_a_step_cannot_hold_it():
+    groups, lengths = [i // 2 for i in range(8)], [3] * 8
+    size = group_tokens(4, [3, 3], True)  # one group: 4 - 1 + 2 x 4 = 11 tokens
+    plan = plan_micro_batches(list(range(8)), 2, 4, groups, [4] * 8, lengths, share_prompt=True, budget=2 * size,
+                              keep_membership=False)
+    assert len(plan) == 4 and all(len(p) == 2 for p in plan)  # 2 bins of 2 groups split into 4 rows
+    with pytest.warns(UserWarning, match="max_tokens_per_batch"):
+        plan = plan_micro_batches(list(range(8)), 4, 2, groups, [4] * 8, lengths, share_prompt=True, budget=size,
+                                  keep_membership=False)
+    assert len(plan) == 2 and sorted(i for p in plan for i in p) == list(range(8))
+    assert OVER_BUDGET.startswith("max_tokens_per_batch")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plan_micro_batches(list(range(8)), 4, 2, groups, [4] * 8, lengths, share_prompt=True, budget=2 * size,
+                           keep_membership=False)
+
+
+def test_packed_completions_read_back_per_completion():
+    rows, positions = pack_completions([[1, 2, 3], [1, 2, 3], [4, 5]], [[6, 7], [8], [9, 10, 11]], [0, 0, 1],
+                                       [True, True, False], share_prompt=True)
+    assert rows.input_ids.tolist() == [[1, 2, 3, 6, 7, 3, 8, 4, 5, 9, 10, 11]]
+    assert rows.position_ids.tolist() == [[0, 1, 2, 3, 4, 2, 3, 0, 1, 2, 3, 4]]
+    flat = rows.labels.reshape(-1)
+    assert [[int(flat[p]) for p in row if p >= 0] for row in positions.tolist()] == [[6, 7], [8], []]
+    assert rows.sequence_tokens.tolist() == [5, 4, 5] and rows.sequence_group.tolist() == [0, 0, 1]
+
+
+def test_packed_flags_are_checked_when_the_config_is_made(tmp_path):
+    with pytest.raises(ValueError, match="share_prompt computes each prompt once"):
+        GRPOConfig(output_dir=str(tmp_path), share_prompt=True)
+    with pytest.raises(ValueError, match="max_tokens_per_batch=16 cannot hold one completion"):
+        GRPOConfig(output_dir=str(tmp_path), padding_free=True, max_tokens_per_batch=16, max_prompt_length=8,
+                   max_completion_length=12)
+    with pytest.raises(ValueError, match="add --padding_free true"):
+        RLOOConfig(output_dir=str(tmp_path), max_tokens_per_batch=64)
