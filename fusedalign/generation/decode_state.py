@@ -23,7 +23,7 @@ def process_logits(z: Tensor, seen: Tensor | None, *, repetition_penalty: float 
 
     Args:
         z: [B, V] float32 logits of the next token.
-        seen: [B, V] bool, the tokens of the row so far (prompt padding included), or None
+        seen: [B, V] bool, the tokens of the row so far (its prompt without the padding), or None
             when `repetition_penalty` is 1.
 
     Returns:
@@ -68,8 +68,12 @@ class DecodeState:
                          if decode.sampler is not None else None)
         self.seen = None
         if decode.processing["repetition_penalty"] != 1.0:
-            self.seen = torch.zeros((B, lm.config.get_text_config().vocab_size), dtype=torch.bool, device=device)
-            self.seen.scatter_(1, input_ids, True)
+            # The prompt's tokens, not its left padding (transformers 5.25's generate ignores it too;
+            # 5.17 counted it, so a row's penalty depended on the batch it was padded in).
+            vocab = lm.config.get_text_config().vocab_size
+            seen = torch.zeros((B, vocab + 1), dtype=torch.bool, device=device)
+            seen.scatter_(1, input_ids.masked_fill(prompt_mask == 0, vocab), True)
+            self.seen = seen[:, :vocab].contiguous()
         # The 4D mask the decoding steps hand to the model: [B, 1, 1, L], over every cache slot.
         visible = torch.zeros((B, 1, 1, L), dtype=torch.bool, device=device)
         visible[:, 0, 0, :P] = prompt_mask.bool()
@@ -101,12 +105,24 @@ class DecodeState:
     def take(self, logits: Tensor, first: bool = False) -> None:
         """Draws the next token from `logits` [B, V] float32 and advances every tensor in place."""
         d = self.decode
+        logps = None
         if d.sampler is not None:
+            # transformers' repetition penalty first (the sampler is the last logits processor
+            # under generate), then the sampler's own temperature and filters.
+            penalty = d.processing["repetition_penalty"]
+            if penalty != 1.0:
+                logits = process_logits(logits, self.seen, repetition_penalty=penalty)
             token, logps = d.sampler.draw(logits, int(self.index))  # eager only: a host read per token
-            self.logprobs.index_copy_(1, self.index, logps.float()[:, None])
         else:
             scores = process_logits(logits, self.seen, **d.processing)
             token = gumbel_max(scores) if d.do_sample else scores.argmax(-1)
+        self.advance(token, logps, first)
+
+    def advance(self, token: Tensor, logps: Tensor | None = None, first: bool = False) -> None:
+        """Records the drawn `token` [B] (and the sampler's log-probs [B]) and moves every tensor on, in place."""
+        d = self.decode
+        if logps is not None:
+            self.logprobs.index_copy_(1, self.index, logps.float()[:, None])
         token = torch.where(self.finished, torch.full_like(token, d.pad_token_id), token)
         self.tokens.index_copy_(1, self.index, token[:, None])
         self.finished |= (token[:, None] == self.eos).any(-1)

@@ -43,9 +43,10 @@ def combine(h: Tensor, value: Tensor | int, salt: int) -> Tensor:
     return mix32(h ^ mix32((v + salt) & _M32))
 
 
-def gumbel_noise(row_hash: Tensor, vocab: int) -> Tensor:
-    """[B, V] float64 Gumbel noise from per-row hashes [B] (already keyed by position)."""
-    v = torch.arange(vocab, dtype=torch.long, device=row_hash.device)
+def gumbel_noise(row_hash: Tensor, vocab: int, start: int = 0) -> Tensor:
+    """[B, vocab] float64 Gumbel noise of tokens start .. start + vocab - 1, from per-row hashes [B]
+    (already keyed by position): a slice of the vocabulary gets the same noise as the whole."""
+    v = torch.arange(start, start + vocab, dtype=torch.long, device=row_hash.device)
     h = mix32(row_hash[:, None] ^ mix32((v + _SALTS[5]) & _M32)[None, :])
     u = (h.double() + 0.5) / 2.0**32  # in (0, 1)
     return -torch.log(-torch.log(u))
@@ -102,12 +103,23 @@ class KeyedSampler:
             raise RuntimeError("KeyedSampler: bind() the batch's row keys before selecting rows")
         self._rows = self._rows.index_select(0, keep.to(self._rows.device))
 
+    @property
+    def filters(self) -> bool:
+        """Whether top-k, top-p or min-p is on (a draw then needs the whole vocabulary at once)."""
+        return bool(self.top_k and self.top_k > 0) or self.top_p < 1.0 or bool(self.min_p)
+
+    def row_hashes(self, position: int, device) -> Tensor:
+        """[B] the bound rows' hashes at completion `position`: what `gumbel_noise` draws from."""
+        if self._rows is None:
+            raise RuntimeError("KeyedSampler: bind() the batch's row keys before generating")
+        return combine(self._rows.to(device), position, _SALTS[3])
+
     def draw(self, scores: Tensor, position: int) -> tuple[Tensor, Tensor]:
         """(tokens [B], their log-probs under the filtered softmax [B]) at completion `position`."""
         if self._rows is None or self._rows.shape[0] != scores.shape[0]:
             raise RuntimeError("KeyedSampler: bind() the batch's row keys before generating")
         z = filter_logits(scores.double() / self.temperature, self.top_k, self.top_p, self.min_p)
-        h = combine(self._rows.to(scores.device), position, _SALTS[3])
+        h = self.row_hashes(position, scores.device)
         tokens = (z + gumbel_noise(h, z.shape[-1])).argmax(-1)
         return tokens, z.log_softmax(-1).gather(-1, tokens[:, None])[:, 0]
 

@@ -16,11 +16,13 @@ eager warm-up step and replayed for every further token. The graph is captured a
 ever reads the weights `generation_weights` made whole for this generation, on any backend.
 The host asks whether every row has finished once every `check_every` tokens.
 
-Sampling is transformers' (and so TRL's): the repetition penalty over the prompt (padding
-included, as generate does) and the completion so far, then temperature, top-k, top-p and
-min-p, then an exact draw from the softmax of what is left (Gumbel-max: argmax of the
+Sampling is transformers' (and so TRL's): the repetition penalty over the prompt (not its
+left padding, as transformers 5.25's generate; 5.17's counted the padding, which made a
+row's draws depend on its batch) and the completion so far, then temperature, top-k, top-p
+and min-p, then an exact draw from the softmax of what is left (Gumbel-max: argmax of the
 filtered logits plus Gumbel noise). After its EOS a row gets padding. With a `KeyedSampler`
-the sampler draws each token instead (eagerly: its draw is keyed on host-side state).
+the penalty applies first and the sampler then draws each token (eagerly: its draw is keyed
+on host-side state), as under generate, where it is the last logits processor.
 
 Supported: decoder models whose layers all attend to the whole row (no sliding window) with
 eager or sdpa attention, the mask handed to the model as a 4D tensor (`masking_utils` takes
