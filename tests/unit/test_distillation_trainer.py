@@ -168,3 +168,19 @@ def test_resumed_from_a_checkpoint_equals_uninterrupted(tmp_path, prompts):
         assert [r[key] for r in resumed] == pytest.approx([r[key] for r in full[2:]], rel=1e-6), key
     for name in wfull:
         torch.testing.assert_close(wres[name], wfull[name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_evaluation_on_conversational_prompts_fused_equals_unfused(tmp_path):
+    """Conversational prompts (the chat template applied), 14 rows in batches of 5 (the last one
+    short): both paths give the same eval loss, entropy and completion lengths."""
+    train = load_dataset_any("builtin:zen", "conversational_prompt_only", split="train").select(range(8))
+    evaluate = load_dataset_any("builtin:zen", "conversational_prompt_only", split="test")
+    got = {}
+    for fused in (True, False):
+        trainer = DistillationTrainer(load_model(MODEL), TEACHER, train_dataset=train, eval_dataset=evaluate,
+                                      args=_args(tmp_path, keyed_sampling=True, per_device_eval_batch_size=5,
+                                                 fused_head=fused, beta=0.3, max_completion_length=6))
+        got[fused] = trainer.evaluate()
+    assert got[True]["eval_loss"] > 0
+    for key in ("eval_loss", "eval_entropy", "eval_completions/mean_length"):
+        assert got[True][key] == pytest.approx(got[False][key], rel=1e-5), key
