@@ -10,6 +10,9 @@ Writes, under ``fusedalign/resources/`` (or ``--out``):
 - ``models/<name>/``: tiny randomly initialised causal LMs (fixed seed) of three families,
   saved with ``save_pretrained`` so they load through ``AutoModelForCausalLM.from_pretrained``.
   Each model directory also holds a copy of the tokenizer.
+- ``models/tiny-zen-teacher/``: a tiny Llama (tiny-llama's shape) fine-tuned to recite the Zen
+  of Python, line by line, each line closed by the end-of-text token: the teacher of
+  ``fusedalign distillation``'s demo (a few seconds of full-batch Adam on the CPU, seeded).
 
 Run from the repository root::
 
@@ -317,6 +320,41 @@ def build_models(out: Path, tokenizer_dir: Path, tokenizer) -> None:
             shutil.copy(f, target / f.name)
 
 
+TEACHER = "tiny-zen-teacher"
+TEACHER_STEPS = 400
+
+
+def build_teacher(out: Path, tokenizer_dir: Path, tokenizer) -> float:
+    """The demo's teacher: tiny-llama's shape, trained on every Zen line (+ EOS) until it recites
+    them; returns the final training loss (nats a token)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(SEED + 100)
+    vocab_size = -(-len(tokenizer) // 8) * 8
+    config = _model_configs(vocab_size, tokenizer.eos_token_id)["tiny-llama"]
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    rows = [tokenizer(line)["input_ids"] + [tokenizer.eos_token_id] for line in ZEN]
+    width = max(map(len, rows))
+    ids = torch.tensor([r + [tokenizer.eos_token_id] * (width - len(r)) for r in rows])
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+    labels = ids.masked_fill(mask == 0, -100)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    model.train()
+    for _ in range(TEACHER_STEPS):
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    target = out / "models" / TEACHER
+    if target.exists():
+        shutil.rmtree(target)
+    model.save_pretrained(str(target))
+    for f in sorted(tokenizer_dir.iterdir()):
+        shutil.copy(f, target / f.name)
+    return float(loss.detach())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     default = Path(__file__).resolve().parents[1] / "fusedalign" / "resources"
@@ -332,8 +370,9 @@ def main() -> None:
     write_datasets(out, configs)
     tokenizer = build_tokenizer(out, configs)
     build_models(out, out / "tokenizer", tokenizer)
+    teacher_loss = build_teacher(out, out / "tokenizer", tokenizer)
     sizes = {name: {s: len(r) for s, r in splits.items()} for name, splits in configs.items()}
-    print(json.dumps({"vocab": len(tokenizer), "datasets": sizes}, indent=1))
+    print(json.dumps({"vocab": len(tokenizer), "datasets": sizes, "teacher_loss": teacher_loss}, indent=1))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""`fusedalign sft|dpo|kto|grpo|rloo|plot|merge|consolidate|verify|launch ...`: the command line.
+"""`fusedalign sft|dpo|kto|grpo|rloo|distillation|plot|merge|consolidate|verify|launch ...`: the command line.
 
 Each training command parses its dataclasses (`parsing.py`: HfArgumentParser, plus
 `--config file.yaml` whose values act as defaults under the flags), checks the output
@@ -29,6 +29,7 @@ commands:
   sft          supervised fine-tuning (language modeling / prompt-completion)
   grpo         Group Relative Policy Optimization on prompts, with reward functions
   rloo         REINFORCE Leave-One-Out on prompts, with reward functions
+  distillation on-policy distillation from a teacher model, on prompts
   plot         draw the training curves of an output dir: fusedalign plot OUTPUT_DIR
   merge        merge a LoRA adapter into its base model: fusedalign merge ADAPTER_DIR OUTPUT_DIR
   consolidate  make a sharded (FSDP2) checkpoint loadable with from_pretrained:

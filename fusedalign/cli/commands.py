@@ -6,6 +6,8 @@ TRAINING_COMMANDS: dict[str, tuple[str, str]] = {
     "sft": ("fusedalign.configs.sft:SFTConfig", "fusedalign.trainers.sft:SFTTrainer"),
     "grpo": ("fusedalign.configs.grpo:GRPOConfig", "fusedalign.trainers.grpo:GRPOTrainer"),
     "rloo": ("fusedalign.configs.rloo:RLOOConfig", "fusedalign.trainers.rloo:RLOOTrainer"),
+    "distillation": ("fusedalign.configs.distillation:DistillationConfig",
+                     "fusedalign.trainers.distillation:DistillationTrainer"),
 }
 
 

@@ -42,6 +42,7 @@ TRAINER_KINDS: dict[str, tuple[str, ...]] = {
     "kto": ("unpaired_preference",),
     "grpo": ("prompt_only", "prompt_completion"),
     "rloo": ("prompt_only", "prompt_completion"),
+    "distillation": ("prompt_only", "prompt_completion"),
 }
 
 _GENERATION_MARKER = re.compile(r"{%-?\s*generation\s*-?%}")
@@ -131,7 +132,7 @@ def detect_format(data: Any, expected: Iterable[str] | str | None = None) -> Dat
         data: a `datasets.Dataset` (columns and first row are read), a row (a mapping), or
             an iterable of column names (then only `messages` marks conversational data).
         expected: the kinds the caller accepts (a kind or an iterable of kinds), or a
-            trainer name (`"sft"`, `"dpo"`, `"kto"`, `"grpo"`, `"rloo"`); None accepts any kind.
+            trainer name (`"sft"`, `"dpo"`, `"kto"`, `"grpo"`, `"rloo"`, `"distillation"`); None accepts any kind.
 
     Returns:
         The format.

@@ -115,6 +115,8 @@ def build_trainer(spec: dict, out_dir: str):
         trainer_cls = KTOTrainer
     elif trainer_name in ("grpo", "rloo"):
         return _grpo_trainer(spec, common, peft_config)
+    elif trainer_name == "distillation":
+        return _distillation_trainer(spec, common, peft_config)
     else:
         raise ValueError(f"unknown trainer {trainer_name}")
     train = load_dataset_any("builtin:zen", config, split="train")
@@ -161,6 +163,26 @@ def _grpo_trainer(spec: dict, common: dict, peft_config):
     return trainer_cls(load_model(spec.get("model", "builtin:tiny-qwen2")), reward_funcs=token_sum_reward, args=args,
                        train_dataset=prompts, peft_config=peft_config,
                        generator=None if spec.get("keyed") else _RecordedKeys(replay, common["output_dir"]))
+
+
+def _distillation_trainer(spec: dict, common: dict, peft_config):
+    """Distillation on replayed completions (one a prompt): the student's and the teacher's heads in
+    the loss, the same completions on every backend."""
+    from fusedalign.configs import DistillationConfig
+    from fusedalign.data import load_dataset_any
+    from fusedalign.models import load_model, load_tokenizer
+    from fusedalign.trainers.distillation import DistillationTrainer
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo
+    from tests.grpo_replay import uneven_replay
+
+    args = DistillationConfig(**common, max_completion_length=12, beta=spec.get("beta", 1.0),
+                              temperature=spec.get("temperature", 1.0), shuffle_dataset=False,
+                              teacher_model_name_or_path=spec.get("teacher", "builtin:tiny-zen-teacher"))
+    prompts = load_dataset_any("builtin:zen", "standard_prompt_only", split="train").select(range(32))
+    replay = uneven_replay(32, 1, load_tokenizer("builtin:tiny-qwen2").eos_token_id)
+    return DistillationTrainer(load_model(spec.get("model", "builtin:tiny-qwen2")), args=args, train_dataset=prompts,
+                               peft_config=peft_config, generator=_RecordedKeys(replay, common["output_dir"]))
 
 
 class _RecordedKeys:

@@ -23,7 +23,7 @@ from fusedalign.models import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
-FAMILIES = {"tiny-qwen2": "qwen2", "tiny-llama": "llama", "tiny-gemma2": "gemma2"}
+FAMILIES = {"tiny-qwen2": "qwen2", "tiny-llama": "llama", "tiny-gemma2": "gemma2", "tiny-zen-teacher": "llama"}
 
 
 @pytest.fixture(scope="module")

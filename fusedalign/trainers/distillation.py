@@ -1,0 +1,116 @@
+"""DistillationTrainer: the student samples on-policy, the teacher scores, both heads fused in the loss.
+
+Step preparation is GRPO's generation (`trainers/distillation_rollout.py`, a GRPORollout
+without rewards): once per optimizer step the student samples one completion for each of
+the step's prompts (per-device batch x ranks x gradient_accumulation_steps, TRL 1.16's
+generation batch), with keyed sampling and replay available and the window checkpointed per
+rank. The loss is `distill_head.token_divergence`: the teacher's ordinary forward keeps its
+final hidden states, the student's ordinary forward computes the generalised JSD inside the
+student's head *and* the teacher's head module (so each head's weight is read inside its own
+module's call, and a ZeRO-3 or FSDP2 teacher is gathered by its own hooks), no N x V logits of
+either model alive. Each micro-batch returns its summed divergence over its completion tokens;
+the base divides by the completion tokens of the whole optimizer step over every rank (TRL's
+`num_items_in_batch`, gathered over the generation batch), `losses/distillation.py`.
+
+The data loaders, evaluation and completion log are GRPOTrainer's, which this class extends;
+its constructor is its own (no reward functions, no reference, a teacher).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from datasets import Dataset
+from torch import nn
+
+from fusedalign.configs import DistillationConfig
+from fusedalign.data.grpo import collate_rows
+from fusedalign.data.prompts import prepare_prompt_dataset
+from fusedalign.distill_head import token_divergence
+from fusedalign.distributed import prepare_reference_model
+from fusedalign.losses.distillation import DistillationMetrics, distillation_batch_loss
+from fusedalign.trainers.base import FusedAlignTrainer
+from fusedalign.trainers.distillation_batch import DistillationBatch
+from fusedalign.trainers.distillation_rollout import DistillationRollout
+from fusedalign.trainers.grpo import GRPOTrainer, _default_generator
+from fusedalign.trainers.grpo_rollout import Split
+from fusedalign.trainers.policy import disable_dropout, load_policy
+from fusedalign.trainers.teacher import load_teacher
+
+
+class DistillationTrainer(GRPOTrainer):
+    """On-policy distillation with both output heads fused.
+
+    Args:
+        model: the student: a causal LM or a name/path (`builtin:tiny-qwen2`, a directory, a hub id).
+        teacher_model: the teacher, a causal LM or a name/path sharing the student's tokenizer;
+            default: `args.teacher_model_name_or_path`.
+        args: DistillationConfig.
+        train_dataset, eval_dataset: prompt-only data (a `prompt` column, standard or
+            conversational); a completion column, if any, is not used.
+        processing_class: the tokenizer; default: loaded from the student's path.
+        peft_config: a peft LoraConfig for the student (LoRA on lm_head included).
+        generator: a `fusedalign.generation.Generator`; default from the args (transformers'
+            generate, keyed sampling, or a replay of recorded completions).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | str,
+        teacher_model: nn.Module | str | None = None,
+        args: DistillationConfig | None = None,
+        train_dataset: Dataset | None = None,
+        eval_dataset: Dataset | None = None,
+        processing_class: Any = None,
+        peft_config: Any = None,
+        callbacks: list | None = None,
+        generator: Any = None,
+    ):
+        args = args or DistillationConfig()
+        if not isinstance(args, DistillationConfig):
+            raise TypeError(f"DistillationTrainer takes a DistillationConfig; got {type(args).__name__}")
+        policy = load_policy(model, args, processing_class, peft_config)
+        teacher = load_teacher(teacher_model, policy, args)
+        tokenizer = policy.tokenizer
+        (train_dataset, train_split), (eval_dataset, eval_split) = (
+            _prepare_split(d, tokenizer, args) for d in (train_dataset, eval_dataset))
+        FusedAlignTrainer.__init__(self, model=policy.model, args=args, data_collator=collate_rows,
+                                   train_dataset=train_dataset, eval_dataset=eval_dataset,
+                                   processing_class=tokenizer, callbacks=callbacks)
+        disable_dropout(teacher)  # the teacher's distribution is a target: never a dropout sample of it
+        self.teacher_model = prepare_reference_model(teacher, self.accelerator)
+        self.rollout = self.checkpointed("distillation_rollout", DistillationRollout(
+            args, generator if generator is not None else _default_generator(args, tokenizer), tokenizer,
+            self.accelerator, self.metrics, train_split, eval_split), per_rank=True)
+
+    @property
+    def ref_model(self) -> None:
+        return None
+
+    # ------------------------------------------------------------------ the step
+
+    def prepare_step(self, model: nn.Module, batches: list[dict[str, Any]], mode: str) -> list[DistillationBatch]:
+        """Generates at the start of every optimizer step, then serves its micro-batches in order."""
+        serve = self.rollout.train_batch if mode == "train" else self.rollout.eval_batch
+        return [DistillationBatch.of(serve(model, item["rows"], self.state)) for item in batches]
+
+    def count_items(self, inputs: DistillationBatch) -> torch.Tensor:
+        """Completion tokens: the divergence is a mean over the step's completion tokens (TRL)."""
+        return inputs.loss_mask.sum().float()
+
+    def loss_and_metrics(self, model: nn.Module, inputs: DistillationBatch,
+                         mode: str) -> tuple[torch.Tensor, DistillationMetrics]:
+        args = self.args
+        out = token_divergence(model, self.teacher_model, inputs.model_inputs, inputs.labels, fused=args.fused_head,
+                               beta=args.beta, temperature=args.temperature)
+        return distillation_batch_loss(out.divergence, inputs.loss_mask, out.entropy)
+
+
+def _prepare_split(dataset: Dataset | None, tokenizer: Any,
+                   args: DistillationConfig) -> tuple[Dataset | None, Split | None]:
+    """The split's prompts tokenised, and its format."""
+    if dataset is None:
+        return None, None
+    dataset, stats = prepare_prompt_dataset(dataset, tokenizer, max_prompt_length=args.max_prompt_length)
+    return dataset, Split(stats.format.conversational)
