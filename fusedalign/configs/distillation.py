@@ -94,6 +94,12 @@ class DistillationConfig(GRPOConfig):
             raise ValueError(f"beta must be in [0, 1] (0 forward KL, 0.5 JSD, 1 reverse KL); got {self.beta!r}.")
         super().__post_init__()
 
+    def _check_packed(self) -> None:
+        for flag in ("padding_free", "share_prompt", "max_tokens_per_batch"):
+            if getattr(self, flag) not in (False, None):
+                raise ValueError(f"--{flag}: distillation trains on padded rows for now (packed rows are GRPO's, "
+                                 "RLOO's, DPO's and KTO's); drop the flag.")
+
     def _check_batches(self) -> None:
         """TRL's generation batch: the optimizer step's prompts, one completion each, used once."""
         if self.auto_find_batch_size:

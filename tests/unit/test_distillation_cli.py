@@ -75,3 +75,5 @@ def test_refuses_a_grpo_flag_and_a_beta_out_of_range(tmp_path, capsys):
     _refused(["distillation", "--num_generations", "4", "--output_dir", str(tmp_path / "r")], capsys,
              "--num_generations is an option of GRPO; distillation has none")
     _refused(["distillation", "--beta", "2", "--output_dir", str(tmp_path / "r")], capsys, "beta must be in [0, 1]")
+    _refused(["distillation", "--padding_free", "true", "--output_dir", str(tmp_path / "r")], capsys,
+             "--padding_free: distillation trains on padded rows for now")
