@@ -36,7 +36,7 @@ FLAG_ALIASES = {"--use_liger_kernel": "--fused_head"}
 
 # TRL flags of a machinery fusedalign does not have: one line saying what runs instead.
 def _vllm_line(command: str, flag: str) -> str:
-    if command in ("grpo", "distillation"):
+    if command in ("grpo", "rloo", "distillation"):
         return (f"{flag}: fusedalign does not use vLLM; completions are sampled in the training processes by "
                 "--generation_backend (auto: fusedalign's StaticDecode, one CUDA graph a token, on CUDA; "
                 "transformers' generate on the CPU) with the same sampling flags; drop the vLLM flags.")

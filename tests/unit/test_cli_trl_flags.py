@@ -15,7 +15,8 @@ from fusedalign.cli.training import peft_config_from
 from fusedalign.configs import ModelArguments
 from fusedalign.models import load_model
 
-TRAINING = ["dpo", "kto", "sft", "grpo"]
+TRAINING = ["dpo", "kto", "sft", "grpo", "rloo", "distillation"]
+GENERATING = ("grpo", "rloo", "distillation")
 
 
 @pytest.mark.parametrize("command", TRAINING)
@@ -25,7 +26,7 @@ def test_vllm_flags_are_one_line_naming_what_generates(command, flags, tmp_path,
     assert main([command, *flags, "--output_dir", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "does not use vLLM" in err and "--use_cpu" not in err, err
-    assert ("--generation_backend" in err) == (command == "grpo"), err
+    assert ("--generation_backend" in err) == (command in GENERATING), err
     assert not (tmp_path / "run").exists()
 
 
