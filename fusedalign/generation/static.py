@@ -36,6 +36,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor, nn
 
+from fusedalign.architectures import post_processing_of
 from fusedalign.attention.checks import layer_windows
 from fusedalign.head import unwrap_model
 
@@ -50,6 +51,7 @@ from .decode_state import (
     process_logits,
     select_cache_rows,
 )
+from . import sampling_head as sampling
 from .keyed import KeyedSampler
 
 MASK_IMPLEMENTATIONS = ("sdpa", "eager")
@@ -69,13 +71,16 @@ class StaticDecode:
         compact_below: at a check, when at most this share of the batch's rows is still
             decoding, those rows continue as a batch of their own (0: never), so that a window
             of uneven lengths costs its tokens rather than its longest row times its rows.
+        fused_sampling: draw each token inside the head's forward, chunk by chunk over the
+            vocabulary (`generation/sampling_head.py`), instead of from the [B, V] logits; used
+            where it can be (no top-k, top-p or min-p; a linear or LoRA head), else the logits path.
     """
 
     def __init__(self, *, max_new_tokens: int, eos_token_id: int | Sequence[int], pad_token_id: int,
                  bos_token_id: int | None = None, do_sample: bool = True, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = 0, min_p: float | None = None, repetition_penalty: float = 1.0,
                  sampler: KeyedSampler | None = None, cuda_graphs: bool = True, check_every: int = 16,
-                 compact_below: float = 0.5):
+                 compact_below: float = 0.5, fused_sampling: bool = False):
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         self.max_new_tokens = max_new_tokens
@@ -91,6 +96,7 @@ class StaticDecode:
         if not 0 <= compact_below < 1:
             raise ValueError(f"compact_below must be in [0, 1), got {compact_below}")
         self.compact_below = compact_below
+        self.fused_sampling = fused_sampling
         self.fallback = HFGenerate(max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
                                    bos_token_id=bos_token_id, do_sample=do_sample, temperature=temperature,
                                    top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
@@ -156,18 +162,26 @@ class StaticDecode:
         if self.sampler is not None:
             self.sampler.bind(row_keys, P, step)
         state = DecodeState(self, B, L, P, device, input_ids, prompt_mask, lm)
-        out = model(input_ids=input_ids, attention_mask=prompt_mask, position_ids=positions, use_cache=True,
-                    logits_to_keep=1, **{keyword: cache})
-        state.take(out.logits[:, -1].float(), first=True)
+        why_not_fused = sampling.usable(lm, self.processing, self.sampler) if self.fused_sampling else "not asked"
+        post = post_processing_of(lm) if why_not_fused is None else None
+
+        def forward_and_draw(first: bool = False, **inputs) -> None:
+            if post is None:
+                logits = model(use_cache=True, logits_to_keep=1, **{keyword: cache}, **inputs).logits
+                state.take(logits[:, -1].float(), first=first)
+                return
+            with sampling.sampling_head(lm, self._sampling_state(post, state)):
+                drawn = model(use_cache=True, logits_to_keep=1, **{keyword: cache}, **inputs).logits[:, -1]
+            state.advance(drawn[:, 0].long(), drawn[:, 1] if self.sampler is not None else None, first)
+
+        forward_and_draw(first=True, input_ids=input_ids, attention_mask=prompt_mask, position_ids=positions)
         state.position.copy_(positions[:, -1:] + 1)
         tokens = state.tokens  # [B, max_new_tokens]: each row's tokens, written back at every compaction
         logprobs = state.logprobs
         rows = torch.arange(B, device=device)  # the row of the whole batch each live row is
 
         def decode_step():  # reads `state` as it is bound when it runs: compaction rebinds it
-            logits = model(input_ids=state.token, attention_mask=state.open_slot(), position_ids=state.position,
-                           use_cache=True, logits_to_keep=1, **{keyword: cache}).logits
-            state.take(logits[:, -1].float())
+            forward_and_draw(input_ids=state.token, attention_mask=state.open_slot(), position_ids=state.position)
 
         remaining = self.max_new_tokens - 1
         use_graphs = self.cuda_graphs and device.type == "cuda" and self.sampler is None
@@ -199,9 +213,19 @@ class StaticDecode:
                 sizes.append(left)
         _write_back(state, rows, tokens, logprobs)
         self.last_call = {"path": "static", "graph": graphs > 0, "graphs": graphs, "steps": 1 + done,
-                          "batch_sizes": sizes}
+                          "batch_sizes": sizes, "fused_sampling": post is not None,
+                          "why_not_fused": why_not_fused}
         del graph, cache
         return tokens, logprobs
+
+    def _sampling_state(self, post: Any, state: DecodeState) -> "sampling.SamplingHead":
+        """The sampling head's flags for the next draw (a keyed sampler's temperature is its own)."""
+        keyed = self.sampler is not None
+        return sampling.SamplingHead(
+            post, repetition_penalty=self.processing["repetition_penalty"],
+            temperature=self.sampler.temperature if keyed else self.processing["temperature"],
+            do_sample=self.do_sample, seen=state.seen, sampler=self.sampler,
+            position=int(state.index) if keyed else 0)  # keyed: eager, a host read per token
 
     def _compacts(self, left: int, rows: int, cache: Any) -> bool:
         """Whether to gather the `left` live rows of `rows` into a batch of their own now."""
