@@ -191,7 +191,7 @@ def overrides(options: VerifyOptions, args: Any, model_args: Any) -> list[str]:
            "--load_best_model_at_end", "false", "--push_to_hub", "false"]
     if model_args.use_peft:
         out += ["--lora_dropout", "0"]
-    if options.trainer == "grpo":
+    if options.trainer in ("grpo", "rloo", "distillation"):  # the trainers that generate
         out += ["--shuffle_dataset", "false"]
         if args.replay_completions is None:  # the same completions in every run, however the batch is split
             out += ["--keyed_sampling", "true"]

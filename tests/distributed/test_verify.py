@@ -1,7 +1,8 @@
-"""`fusedalign verify` on CPU: the issue's proof (sft, dpo, kto, grpo with keyed sampling on
-DDP, ZeRO-2, ZeRO-3 and FSDP2, 2 processes each) and its self-test (every injected bug caught).
+"""`fusedalign verify` on CPU: the issue's proof (sft, dpo, kto, and grpo, rloo and distillation with
+keyed sampling, on DDP, ZeRO-2, ZeRO-3 and FSDP2, 2 processes each) and its self-test (every injected
+bug caught).
 
-The four trainers' runs share launches (one process for the oracles and the one-process
+The six trainers' runs share launches (one process for the oracles and the one-process
 fused runs, then one launch per backend): 5 launches of tiny runs, 2 SGD steps each.
 """
 
@@ -24,7 +25,12 @@ TRAINERS = {
     "kto": [*DATA, "--dataset_config", "standard_unpaired_preference", "--max_length", "48", "--max_prompt_length", "24"],
     "grpo": [*DATA, "--dataset_config", "standard_prompt_only", "--num_generations", "2", "--max_completion_length", "8",
              "--reward_funcs", "zen_words"],
+    "rloo": [*DATA, "--dataset_config", "standard_prompt_only", "--num_generations", "2", "--max_completion_length", "8",
+             "--reward_funcs", "zen_words"],
+    "distillation": [*DATA, "--dataset_config", "standard_prompt_only", "--max_completion_length", "8",
+                     "--teacher_model_name_or_path", "builtin:tiny-zen-teacher"],
 }
+GENERATING = ("grpo", "rloo", "distillation")
 
 
 def test_every_trainer_agrees_on_every_backend(tmp_path):
@@ -39,7 +45,7 @@ def test_every_trainer_agrees_on_every_backend(tmp_path):
     assert len(results) == len(TRAINERS) * (1 + 2 * len(BACKENDS))
     for run, cmp in results:
         assert cmp.agrees, (run["name"], cmp.crashed, cmp.first)
-        assert "keyed_sampling" in " ".join(run["overrides"]) or run["trainer"] != "grpo"
+        assert "keyed_sampling" in " ".join(run["overrides"]) or run["trainer"] not in GENERATING
     assert not user_outputs.exists()  # every run wrote in its own directory only
     # Not vacuous: the runs checked their backend (check_run), and the oracles trained.
     for trainer in TRAINERS:
