@@ -40,7 +40,7 @@ if __package__ in (None, ""):
 
 from benchmarks.builders import distill, ending  # noqa: E402
 from benchmarks.builders.model import build_model, model_config  # noqa: E402
-from benchmarks.harness import runner  # noqa: E402
+from benchmarks.harness import agreement, runner  # noqa: E402
 from benchmarks.harness.env import gpu_info, log, versions, versions_line  # noqa: E402
 from benchmarks.harness.tables import fmt, markdown, ratio, write_markdown  # noqa: E402
 from benchmarks.harness.timing import (GenerationSplit, Timers, device_sync, steady, step_timer,  # noqa: E402
@@ -74,6 +74,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--learning_rate", type=float, default=1e-6, help="TRL's default")
     a("--beta", type=float, default=1.0, help="the divergence: 0 forward KL, 0.5 JSD, 1 reverse KL (TRL's default)")
     a("--temperature", type=float, default=1.0, help="sampling and loss temperature (TRL's default)")
+    a("--loss_atol", type=float, default=None,
+      help="first-step loss agreement of trl and ours_generate; default 1e-4 (bf16: 2e-2)")
     a("--dtype", choices=["bf16", "fp32"], default=None, help="default bf16 (--device cpu: fp32)")
     a("--seed", type=int, default=0)
     a("--worker_timeout", type=int, default=1200)
@@ -96,6 +98,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             setattr(args, key, small if args.tiny else big)
     if args.dtype is None:
         args.dtype = "fp32" if args.device == "cpu" else "bf16"
+    if args.loss_atol is None:
+        args.loss_atol = 2e-2 if args.dtype == "bf16" else 1e-4
     if args.warmup_steps < 1 or args.timed_steps < 1:
         p.error("need --warmup_steps >= 1 and --timed_steps >= 1")
     if not 0.0 <= args.beta <= 1.0:
@@ -170,6 +174,23 @@ def table(args, results: dict) -> str:
     return title + "\n\n" + markdown(columns, rows, numeric=set(range(1, len(columns))))
 
 
+def first_step(args, results: dict) -> tuple[str, list[str]]:
+    """The first step's loss and completion length of every run, trl and ours_generate held to agree.
+
+    Both sample with transformers' generate from the same seeded generator, over the same
+    prompts in the same order (TRL's sampler, which ours keeps), so their first step trains on
+    the same completions and must log the same divergence; a difference there is a different
+    loss, or a sampler that drew differently. `ours` on CUDA samples with StaticDecode, whose
+    draws differ: it is shown, not held to it.
+    """
+    names = [n for n in ("trl", "ours_generate", "ours") if n in args.configs]
+    checks = [agreement.Check("completions/mean_length", 0.0, steps=1, skip=("ours",)),
+              agreement.Check("loss", args.loss_atol, steps=1, skip=("ours",))]
+    out = agreement.compare(results, names, checks)
+    worst = ", ".join(f"{k} {v:.3g}" for k, v in out.worst.items())
+    return out.verdict + (f" (largest difference: {worst})" if worst else ""), out.lines
+
+
 def build_models(args) -> list[str]:
     """Builds the student and teacher that were not given; returns the directories it made."""
     made = []
@@ -213,9 +234,13 @@ def main(argv=None) -> int:
             shutil.rmtree(path, ignore_errors=True)
     text = table(args, results)
     log("\n" + text + "\n")
+    verdict, lines = first_step(args, results)
+    log(f"first step (trl and ours_generate train on the same completions): {verdict}")
+    for line in lines:
+        log("  " + line)
     with open(args.json_out or os.path.join(args.log_dir, "results.json"), "w") as f:
         json.dump({"versions": versions(), "argv": sys.argv, "settings": {k: getattr(args, k) for k in vars(args)},
-                   "skipped": skipped, "results": results}, f, indent=1, default=str)
+                   "skipped": skipped, "first_step": verdict, "results": results}, f, indent=1, default=str)
     write_markdown(args, [text])
     return 0
 
