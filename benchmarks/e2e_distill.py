@@ -62,7 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--per_device_train_batch_size", type=int, default=None, help="completions per micro-batch; default 8 (--tiny: 2)")
     a("--gradient_accumulation_steps", type=int, default=None,
       help="micro-batches per optimizer step (prompts a step = this x the micro-batch); default 8 (--tiny: 2)")
-    a("--new_tokens", type=int, default=None, help="max_completion_length; default 2048 (--tiny: 16)")
+    a("--new_tokens", "--max_completion_length", dest="new_tokens", type=int, default=None,
+      help="max_completion_length; default 2048 (--tiny: 16)")
     a("--prompt_length", type=int, default=None, help="default 128 (--tiny: 8)")
     a("--completion_lengths", default=None,
       help="lognormal:MEDIAN:P95 (completions end at lengths of that distribution, truncated at --new_tokens, for "
