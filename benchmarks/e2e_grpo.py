@@ -39,7 +39,8 @@ from benchmarks.builders.model import build_model, model_config  # noqa: E402
 from benchmarks.harness import runner  # noqa: E402
 from benchmarks.harness.env import gpu_info, log, versions, versions_line  # noqa: E402
 from benchmarks.harness.tables import fmt, markdown, ratio, write_markdown  # noqa: E402
-from benchmarks.harness.timing import Timers, device_sync, steady, step_timer, time_from_batch_fetch  # noqa: E402
+from benchmarks.harness.timing import (GenerationSplit, Timers, device_sync, steady, step_timer,  # noqa: E402
+                                       time_from_batch_fetch)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -110,19 +111,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     except ValueError as error:
         p.error(str(error))
     return args
-
-
-class GenerationSplit:
-    """A StepTimer hook: the generation time inside each step (from the named timer)."""
-
-    def __init__(self, timers: Timers):
-        self.timers, self.at_begin, self.per_step = timers, 0.0, []
-
-    def begin(self, step: int) -> None:
-        self.at_begin = self.timers.get("generation")
-
-    def end(self, step: int, seconds: float) -> None:
-        self.per_step.append(self.timers.get("generation") - self.at_begin)
 
 
 class BackboneTokens:

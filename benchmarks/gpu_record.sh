@@ -8,17 +8,27 @@
 # A part that runs past its limit is stopped (with its subprocesses); what it measured
 # until then is in its .md (tables are rewritten after each configuration) and its .log.
 # TINY=1 runs the same parts on the CPU with the tiny model (a check that each one starts).
+# PARTS names the parts to run (default: the four below, about 10 minutes together); the
+# distillation part, with its teacher, is a 10-minute command of its own: PARTS=distill.
 set -u
 OUT=${OUT:-$PWD/bench-out}
 MODEL=${MODEL:-/tmp/bench-model}
+TEACHER=${TEACHER:-/tmp/bench-teacher}
+PARTS=${PARTS:-"e2e_dpo grpo generation real_lengths"}
 if [ "${TINY:-0}" = 1 ]; then X="--device cpu --tiny"; SHAPE="tiny=True, dtype='fp32'"; GRPO_SHAPE=""; BATCH=4
 else X=""; SHAPE="tiny=False, dtype='bf16'"; GRPO_SHAPE="--prompts 16 --num_generations 8 --new_tokens 128"; BATCH=128; fi
 mkdir -p "$OUT"
 : > "$OUT/summary.txt"
 
+wanted() {  # wanted NAME: PARTS names it; the model always; the teacher with the distillation part
+    case " $PARTS " in *" $1 "*) return 0;; esac
+    [ "$1" = model ] || { [ "$1" = teacher ] && [[ " $PARTS " == *" distill "* ]]; }
+}
+
 part() {  # part NAME SECONDS COMMAND...
     local name=$1 limit=$2 t0=$SECONDS rc
     shift 2
+    wanted "$name" || return 0
     timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
     rc=$?
     echo "$name: rc=$rc after $((SECONDS - t0)) s (limit $limit s)" | tee -a "$OUT/summary.txt"
@@ -37,6 +47,9 @@ part generation 80 python3 benchmarks/generation.py $X --batches $BATCH --repeat
 part real_lengths 150 python3 benchmarks/e2e_dpo.py $X --real_lengths ultrafeedback --warmup_steps 2 --timed_steps 2 \
     --configs trl_liger ours_shared_prompt_flex trl_liger_grouped \
     --model_dir "$MODEL" --log_dir "$OUT/real_lengths" --markdown_out "$OUT/real_lengths.md"
-rm -rf "$OUT"/*/out-* "$MODEL"
+part teacher 90 python3 -c "from benchmarks.builders.model import build_model as b; print(b('$TEACHER', $SHAPE, seed=1, shape='1.5b'))"
+part distill 420 python3 benchmarks/e2e_distill.py $X --configs ours trl \
+    --model_dir "$MODEL" --teacher_dir "$TEACHER" --log_dir "$OUT/distill" --markdown_out "$OUT/distill.md"
+rm -rf "$OUT"/*/out-* "$MODEL" "$TEACHER"
 cat "$OUT/machine.txt" "$OUT/summary.txt"
-for f in e2e_dpo grpo generation real_lengths; do echo; cat "$OUT/$f.md" 2>/dev/null || tail -5 "$OUT/$f.log"; done
+for f in $PARTS; do echo; cat "$OUT/$f.md" 2>/dev/null || tail -5 "$OUT/$f.log"; done

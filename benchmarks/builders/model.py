@@ -1,4 +1,5 @@
-"""The model every benchmark run starts from: a Qwen2.5-0.5B-shaped random init.
+"""The model every benchmark run starts from: a Qwen2.5-0.5B-shaped random init (and, for
+distillation, a Qwen2.5-1.5B-shaped teacher with the same vocabulary and tokenizer).
 
 Built once per benchmark from a seed, in the training dtype, saved to a directory and
 loaded by path by every run, so every configuration trains the same weights and each
@@ -7,18 +8,24 @@ loads them as a user would (`from_pretrained`).
 
 from __future__ import annotations
 
-# Qwen2.5-0.5B's shape; TINY shrinks it for a CPU smoke test.
+# Qwen2.5-0.5B's and Qwen2.5-1.5B's shapes (both tie the head to the embedding); TINY and
+# TINY_TEACHER shrink them for a CPU smoke test, keeping one vocabulary per pair.
 QWEN05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                intermediate_size=4864, vocab_size=151936, rope_theta=1_000_000.0, rms_norm_eps=1e-6)
+QWEN15B = dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+               intermediate_size=8960, vocab_size=151936, rope_theta=1_000_000.0, rms_norm_eps=1e-6)
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, vocab_size=512, rope_theta=10_000.0, rms_norm_eps=1e-6)
+TINY_TEACHER = dict(hidden_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                    intermediate_size=192, vocab_size=512, rope_theta=10_000.0, rms_norm_eps=1e-6)
+SHAPES = {("0.5b", False): QWEN05B, ("0.5b", True): TINY, ("1.5b", False): QWEN15B, ("1.5b", True): TINY_TEACHER}
 
 
-def model_config(tiny: bool, longest: int = 0):
-    """A Qwen2Config of that shape, with room for `longest` positions (at least 32768)."""
+def model_config(tiny: bool, longest: int = 0, shape: str = "0.5b"):
+    """A Qwen2Config of that shape ("0.5b" or "1.5b"), with room for `longest` positions (at least 32768)."""
     from transformers import Qwen2Config
 
-    shape = TINY if tiny else QWEN05B
+    shape = SHAPES[shape, tiny]
     return Qwen2Config(
         **shape, tie_word_embeddings=True, max_position_embeddings=max(32768, longest),
         hidden_act="silu", attention_dropout=0.0, use_sliding_window=False, use_cache=False,
@@ -26,8 +33,8 @@ def model_config(tiny: bool, longest: int = 0):
     )
 
 
-def build_model(path: str, *, tiny: bool, dtype: str, seed: int, longest: int = 0) -> str:
-    """Seeds, builds and saves the model (and the tiny Qwen2 tokenizer) to `path`.
+def build_model(path: str, *, tiny: bool, dtype: str, seed: int, longest: int = 0, shape: str = "0.5b") -> str:
+    """Seeds, builds and saves the model of `shape` (and the tiny Qwen2 tokenizer) to `path`.
 
     Returns:
         A one-line description (class, parameter count, dtype, path).
@@ -38,7 +45,7 @@ def build_model(path: str, *, tiny: bool, dtype: str, seed: int, longest: int = 
     from fusedalign.models import load_tokenizer
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(model_config(tiny, longest), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(model_config(tiny, longest, shape), dtype=torch.float32)
     model.to(torch.bfloat16 if dtype == "bf16" else torch.float32)
     # Generation keeps a KV cache, as a released checkpoint's generation config has it: transformers'
     # generate (TRL's sampler) takes every field its caller leaves unset from here, and the config's

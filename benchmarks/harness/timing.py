@@ -48,6 +48,19 @@ class Timers:
         return self.totals.get(name, 0.0)
 
 
+class GenerationSplit:
+    """A StepTimer hook: the generation time inside each step (from the timer named "generation")."""
+
+    def __init__(self, timers: Timers):
+        self.timers, self.at_begin, self.per_step = timers, 0.0, []
+
+    def begin(self, step: int) -> None:
+        self.at_begin = self.timers.get("generation")
+
+    def end(self, step: int, seconds: float) -> None:
+        self.per_step.append(self.timers.get("generation") - self.at_begin)
+
+
 def step_timer(sync: Callable[[], None], hooks: list | None = None):
     """A TrainerCallback that times every step and keeps every log that has a loss.
 

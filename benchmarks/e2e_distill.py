@@ -1,0 +1,250 @@
+"""End-to-end on-policy distillation on one GPU: TRL 1.16's DistillationTrainer and ours, side by side.
+
+The student is the model every benchmark here trains (a Qwen2.5-0.5B-shaped random init,
+bf16), the teacher a Qwen2.5-1.5B-shaped one (the same vocabulary and tokenizer), both saved
+once and loaded by path. Each optimizer step samples one completion for each of
+per_device_train_batch_size x gradient_accumulation_steps prompts (TRL's generation batch;
+default 8 x 8) of --prompt_length random tokens, at most --new_tokens long, with lengths
+drawn from --completion_lengths (default lognormal:300:1500: benchmarks/builders/ending.py's
+hook on the student, the model whose forward both trainers' generators call; `fixed`: every
+completion runs to --new_tokens); the teacher scores them and the student learns the
+generalised JSD (--beta, TRL's default 1: reverse KL). TRL samples with transformers'
+generate (no vLLM), its compilation disabled. Each configuration runs in its own subprocess
+(builders/distill.py).
+
+Reported per configuration: completions/s (completions a step over the median timed step),
+the share of the step spent generating (the time inside the trainer's generation call,
+after a synchronize) and training (the rest: both models' forwards, the divergence, the
+backward, the optimizer), the mean completion length the trainer logged, peak memory, and
+both against TRL's.
+
+Examples:
+    python benchmarks/e2e_distill.py                                    # GPU: trl and ours
+    python benchmarks/e2e_distill.py --configs ours ours_generate trl --timed_steps 3
+    python benchmarks/e2e_distill.py --device cpu --tiny                # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.builders import distill, ending  # noqa: E402
+from benchmarks.builders.model import build_model, model_config  # noqa: E402
+from benchmarks.harness import agreement, runner  # noqa: E402
+from benchmarks.harness.env import gpu_info, log, versions, versions_line  # noqa: E402
+from benchmarks.harness.tables import fmt, markdown, ratio, write_markdown  # noqa: E402
+from benchmarks.harness.timing import (GenerationSplit, Timers, device_sync, steady, step_timer,  # noqa: E402
+                                       time_from_batch_fetch)
+
+# Passed on to each worker as --KEY VALUE.
+FORWARDED = ("device", "per_device_train_batch_size", "gradient_accumulation_steps", "new_tokens", "prompt_length",
+             "completion_lengths", "warmup_steps", "timed_steps", "learning_rate", "beta", "temperature", "dtype",
+             "seed", "model_dir", "teacher_dir")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    a("--device", choices=["cuda", "cpu"], default=None, help="default: cuda if present")
+    a("--tiny", action="store_true", help="tiny models, few short completions (CPU smoke test)")
+    a("--configs", nargs="+", choices=list(distill.RUNS), default=None, help=f"default: {distill.DEFAULT}")
+    a("--per_device_train_batch_size", type=int, default=None, help="completions per micro-batch; default 8 (--tiny: 2)")
+    a("--gradient_accumulation_steps", type=int, default=None,
+      help="micro-batches per optimizer step (prompts a step = this x the micro-batch); default 8 (--tiny: 2)")
+    a("--new_tokens", "--max_completion_length", dest="new_tokens", type=int, default=None,
+      help="max_completion_length; default 2048 (--tiny: 16)")
+    a("--prompt_length", type=int, default=None, help="default 128 (--tiny: 8)")
+    a("--completion_lengths", default=None,
+      help="lognormal:MEDIAN:P95 (completions end at lengths of that distribution, truncated at --new_tokens, for "
+           "TRL's sampler and ours alike: benchmarks/builders/ending.py) or fixed (every one runs to --new_tokens); "
+           "default lognormal:300:1500 (--tiny: lognormal:4:12)")
+    a("--warmup_steps", type=int, default=1)
+    a("--timed_steps", type=int, default=2)
+    a("--gradient_checkpointing", action="store_true", help="both trainers (TRL 1.16's default; off here unless asked)")
+    a("--learning_rate", type=float, default=1e-6, help="TRL's default")
+    a("--beta", type=float, default=1.0, help="the divergence: 0 forward KL, 0.5 JSD, 1 reverse KL (TRL's default)")
+    a("--temperature", type=float, default=1.0, help="sampling and loss temperature (TRL's default)")
+    a("--loss_atol", type=float, default=None,
+      help="first-step loss agreement of trl and ours_generate; default 1e-4 (bf16: 2e-2)")
+    a("--dtype", choices=["bf16", "fp32"], default=None, help="default bf16 (--device cpu: fp32)")
+    a("--seed", type=int, default=0)
+    a("--worker_timeout", type=int, default=1200)
+    a("--log_dir", default=None)
+    a("--json_out", default=None)
+    a("--markdown_out", default=None, help="also write the table to this file")
+    a("--model_dir", default=None, help="reuse a saved student")
+    a("--teacher_dir", default=None, help="reuse a saved teacher")
+    a("--worker", choices=list(distill.RUNS), default=None, help=argparse.SUPPRESS)
+    a("--result", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    for key, big, small in (("per_device_train_batch_size", 8, 2), ("gradient_accumulation_steps", 8, 2),
+                            ("new_tokens", 2048, 16), ("prompt_length", 128, 8),
+                            ("completion_lengths", "lognormal:300:1500", "lognormal:4:12")):
+        if getattr(args, key) is None:
+            setattr(args, key, small if args.tiny else big)
+    if args.dtype is None:
+        args.dtype = "fp32" if args.device == "cpu" else "bf16"
+    if args.loss_atol is None:
+        args.loss_atol = 2e-2 if args.dtype == "bf16" else 1e-4
+    if args.warmup_steps < 1 or args.timed_steps < 1:
+        p.error("need --warmup_steps >= 1 and --timed_steps >= 1")
+    if not 0.0 <= args.beta <= 1.0:
+        p.error(f"--beta must be in [0, 1]; got {args.beta}")
+    args.total_steps = args.warmup_steps + args.timed_steps
+    try:
+        args.fit = ending.parse_fit(args.completion_lengths)
+    except ValueError as error:
+        p.error(str(error))
+    return args
+
+
+def run_worker(args) -> int:
+    import torch
+    from transformers import set_seed
+
+    from fusedalign.models import load_tokenizer
+
+    run, cuda = distill.RUNS[args.worker], args.device == "cuda"
+    timers = Timers(device_sync(cuda))
+    peak = (lambda: torch.cuda.max_memory_allocated() / 2**30) if cuda else (lambda: None)
+    with runner.worker_result(args.result, peak) as result:
+        result.update(config=run.name)
+        set_seed(args.seed)
+        split = GenerationSplit(timers)
+        callback = step_timer(timers.sync, [split])
+        output_dir = os.path.join(os.path.dirname(os.path.abspath(args.result)), f"out-{run.name}")
+        with timers("init"):
+            trainer = distill.build(run, args, output_dir, distill.prompt_rows(args, model_config(args.tiny).vocab_size),
+                                    load_tokenizer("builtin:tiny-qwen2"), callback, timers)
+            if args.fit is not None:  # on the module whose forward both trainers' generators call
+                ending.end_at_lengths(trainer.model, args.fit, trainer.processing_class.eos_token_id, args.new_tokens)
+        time_from_batch_fetch(trainer, callback)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        trainer.train()
+        stats = steady(callback.begin, callback.end, args.warmup_steps, args.timed_steps)
+        timed = slice(args.warmup_steps, args.total_steps)
+        shares = [g / s for g, s in zip(split.per_step[timed], stats["step_times"])]
+        lengths = [e["completions/mean_length"] for e in callback.logs[timed] if "completions/mean_length" in e]
+        result.update(stats, status="ok", peak_gib=peak(), logs=callback.logs, init_s=timers.get("init"),
+                      completions_per_s=distill.prompts_per_step(args) / stats["median_step_s"],
+                      generation_share=statistics.median(shares) if shares and any(shares) else None,
+                      mean_completion_length=statistics.mean(lengths) if lengths else None)
+    log(json.dumps({k: v for k, v in result.items() if k not in ("logs", "step_times")}))
+    return 0 if result["status"] in ("ok", "OOM") else 1
+
+
+def table(args, results: dict) -> str:
+    base = results.get("trl") if results.get("trl", {}).get("status") == "ok" else None
+    columns = ["config", "completions/s", "s a step", "generation %", "training %", "mean completion tokens",
+               "peak GiB", "vs trl", "peak vs trl"]
+    rows = []
+    for name in args.configs:
+        r = results.get(name, {"status": "not run", "reason": "not run"})
+        if r.get("status") != "ok":
+            reason = r.get("reason") or f"{r['status']}: {r.get('error', '')[:80]}"
+            rows.append([name, reason] + [""] * (len(columns) - 2))
+            continue
+        share = r.get("generation_share")
+        rows.append([name, f"{r['completions_per_s']:,.2f}", f"{r['median_step_s']:.2f}",
+                     fmt(None if share is None else 100 * share, ".0f"),
+                     fmt(None if share is None else 100 * (1 - share), ".0f"),
+                     fmt(r.get("mean_completion_length"), ".0f"), fmt(r.get("peak_gib"), ".1f"),
+                     ratio(r["completions_per_s"], base["completions_per_s"]) if base else "—",
+                     ratio(r.get("peak_gib"), base.get("peak_gib")) if base else "—"])
+    title = (f"### On-policy distillation, {distill.prompts_per_step(args)} prompts x 1 completion of <= "
+             f"{args.new_tokens} tokens a step ({args.prompt_length}-token prompts, completion lengths "
+             f"{args.completion_lengths}, micro-batch {args.per_device_train_batch_size} x "
+             f"{args.gradient_accumulation_steps}, beta {args.beta:g}, {args.timed_steps} timed steps after "
+             f"{args.warmup_steps})")
+    return title + "\n\n" + markdown(columns, rows, numeric=set(range(1, len(columns))))
+
+
+def first_step(args, results: dict) -> tuple[str, list[str]]:
+    """The first step's loss and completion length of every run, trl and ours_generate held to agree.
+
+    Both sample with transformers' generate from the same seeded generator, over the same
+    prompts in the same order (TRL's sampler, which ours keeps), so their first step trains on
+    the same completions and must log the same divergence; a difference there is a different
+    loss, or a sampler that drew differently. `ours` on CUDA samples with StaticDecode, whose
+    draws differ: it is shown, not held to it.
+    """
+    names = [n for n in ("trl", "ours_generate", "ours") if n in args.configs]
+    checks = [agreement.Check("completions/mean_length", 0.0, steps=1, skip=("ours",)),
+              agreement.Check("loss", args.loss_atol, steps=1, skip=("ours",))]
+    out = agreement.compare(results, names, checks)
+    worst = ", ".join(f"{k} {v:.3g}" for k, v in out.worst.items())
+    return out.verdict + (f" (largest difference: {worst})" if worst else ""), out.lines
+
+
+def build_models(args) -> list[str]:
+    """Builds the student and teacher that were not given; returns the directories it made."""
+    made = []
+    for key, shape, seed in (("model_dir", "0.5b", args.seed), ("teacher_dir", "1.5b", args.seed + 1)):
+        if getattr(args, key) is None:
+            setattr(args, key, tempfile.mkdtemp(prefix=f"e2e_distill-{shape}-"))
+            made.append(getattr(args, key))
+            log(f"{key}: " + build_model(getattr(args, key), tiny=args.tiny, dtype=args.dtype, seed=seed, shape=shape))
+    return made
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return run_worker(args)
+    log("versions: " + versions_line(versions()))
+    log(f"device: {gpu_info(0) if args.device == 'cuda' else 'cpu'}")
+    args.configs = args.configs or list(distill.DEFAULT)
+    skipped = distill.availability()
+    args.log_dir = os.path.abspath(args.log_dir or tempfile.mkdtemp(prefix="e2e_distill-"))
+    os.makedirs(args.log_dir, exist_ok=True)
+    results = {}
+    made = build_models(args)
+    try:
+        for name in args.configs:
+            if skipped[name]:
+                log(f"{name}: skipped: {skipped[name]}")
+                results[name] = {"status": "skipped", "reason": f"skipped: {skipped[name]}"}
+                continue
+            argv = [sys.executable, "-u", os.path.abspath(__file__), "--worker", name]
+            for key in FORWARDED:
+                argv += [f"--{key}", str(getattr(args, key))]
+            argv += ["--gradient_checkpointing"] if args.gradient_checkpointing else []
+            argv += ["--tiny"] if args.tiny else []
+            log(f"{name}: running ...")
+            results[name] = runner.launch(argv, f"distill-{name}", log_dir=args.log_dir, device=args.device,
+                                          timeout=args.worker_timeout)
+            write_markdown(args, [table(args, results)])
+    finally:
+        for path in made:
+            shutil.rmtree(path, ignore_errors=True)
+    text = table(args, results)
+    log("\n" + text + "\n")
+    verdict, lines = first_step(args, results)
+    log(f"first step (trl and ours_generate train on the same completions): {verdict}")
+    for line in lines:
+        log("  " + line)
+    with open(args.json_out or os.path.join(args.log_dir, "results.json"), "w") as f:
+        json.dump({"versions": versions(), "argv": sys.argv, "settings": {k: getattr(args, k) for k in vars(args)},
+                   "skipped": skipped, "first_step": verdict, "results": results}, f, indent=1, default=str)
+    write_markdown(args, [text])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

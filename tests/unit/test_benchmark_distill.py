@@ -1,0 +1,57 @@
+"""benchmarks/e2e_distill.py on the CPU: the teacher shares the student's vocabulary and
+tokenizer, a worker trains ours on completions of the stated lengths, and the table sets
+each configuration against TRL's completions/s and peak memory."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import e2e_distill  # noqa: E402
+from benchmarks.builders.model import QWEN05B, QWEN15B, model_config  # noqa: E402
+
+
+def test_teacher_shape_is_larger_with_the_students_vocabulary():
+    assert QWEN15B["vocab_size"] == QWEN05B["vocab_size"]
+    for tiny in (False, True):
+        student, teacher = model_config(tiny), model_config(tiny, shape="1.5b")
+        assert teacher.vocab_size == student.vocab_size and teacher.tie_word_embeddings
+        assert teacher.hidden_size > student.hidden_size and teacher.num_hidden_layers > student.num_hidden_layers
+
+
+def test_table_sets_speed_and_memory_against_trl():
+    args = e2e_distill.parse_args(["--device", "cpu", "--tiny", "--dtype", "bf16"])
+    args.configs = ["trl", "ours", "ours_generate"]
+    ok = dict(status="ok", median_step_s=2.0, generation_share=0.75, mean_completion_length=300.0)
+    results = {"trl": {**ok, "completions_per_s": 2.0, "peak_gib": 40.0},
+               "ours": {**ok, "completions_per_s": 7.0, "peak_gib": 10.0},
+               "ours_generate": {"status": "OOM", "error": "CUDA out of memory"}}
+    rows = [line for line in e2e_distill.table(args, results).splitlines() if line.startswith("| ")][1:]
+    assert rows[0].split(" | ")[-2:] == ["1.00x", "1.00x |"]
+    assert rows[1].split(" | ")[1:] == ["7.00", "2.00", "75", "25", "300", "10.0", "3.50x", "0.25x |"]
+    assert "OOM: CUDA out of memory" in rows[2]
+    assert args.loss_atol == 2e-2 and args.new_tokens == 16 and args.fit is not None
+
+
+@pytest.mark.slow
+def test_worker_trains_ours_on_completions_of_the_stated_lengths(tmp_path):
+    from benchmarks.builders.model import build_model
+
+    student, teacher = tmp_path / "student", tmp_path / "teacher"
+    build_model(str(student), tiny=True, dtype="fp32", seed=0)
+    build_model(str(teacher), tiny=True, dtype="fp32", seed=1, shape="1.5b")
+    result = tmp_path / "ours.json"
+    rc = e2e_distill.main(["--device", "cpu", "--tiny", "--worker", "ours", "--timed_steps", "1",
+                           "--model_dir", str(student), "--teacher_dir", str(teacher), "--result", str(result)])
+    r = json.loads(result.read_text())
+    assert rc == 0 and r["status"] == "ok", r
+    assert len(r["logs"]) == 2 and all(e["loss"] > 0 for e in r["logs"])
+    assert 0 < r["generation_share"] < 1 and r["completions_per_s"] > 0
+    # The hook ends completions early (median 4 tokens); without it every one runs to 16.
+    assert 1 <= r["mean_completion_length"] < 16
