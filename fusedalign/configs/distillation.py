@@ -16,6 +16,9 @@ logging every step, no gradient checkpointing, `max_prompt_length`), with TRL 1.
 - one completion per prompt; the generation batch is the optimizer step's batch
   (per-device batch x ranks x gradient_accumulation_steps), generated once per step and used
   once (TRL: no num_generations, steps_per_generation, num_iterations).
+- `padding_free` and `max_tokens_per_batch` (TRL 1.16 has neither) as for GRPO: each
+  micro-batch's prompt + completion sequences in one row, the teacher and the student reading
+  the same row; `share_prompt` is refused (one completion per prompt: nothing to share).
 
 GRPO's reward, advantage, loss and reference flags mean nothing here: they are hidden from
 `--help` and refused when set, naming the flag.
@@ -27,6 +30,7 @@ import argparse
 from dataclasses import dataclass, field, fields
 
 from fusedalign.configs.grpo import GRPOConfig
+from fusedalign.configs.packed import PADDING_FREE_HELP
 
 # GRPO's options with no meaning in distillation (TRL's DistillationConfig has none of them).
 GRPO_ONLY = ("reward_funcs", "reward_model_name_or_path", "reward_weights", "multi_objective_aggregation",
@@ -56,6 +60,20 @@ class DistillationConfig(GRPOConfig):
                                                        "penalty: there is no reference model."})
     temperature: float = field(default=1.0, metadata={"help": "Divides the logits in sampling and, for both "
                                                               "models, in the loss."})
+    # ---------------------------------------------------------------- packed rows (TRL 1.16 has none of these)
+    padding_free: bool = field(
+        default=False,
+        metadata={"help": PADDING_FREE_HELP + " Each micro-batch's prompt + completion sequences are one row; the "
+                  "teacher's forward and the student's read the same row."})
+    max_tokens_per_batch: int | None = field(
+        default=None,
+        metadata={"help": "With padding_free: the prompts and completions of each optimizer step (the same ones as "
+                  "padded batches) are packed into its gradient_accumulation_steps rows, at most this many tokens "
+                  "each where they fit (a step whose sequences need more rows than it has forwards gets balanced "
+                  "rows over the budget, with a warning: raise the budget or gradient_accumulation_steps). Same "
+                  "update as padded batches. Must hold one prompt of max_prompt_length and a completion of "
+                  "max_completion_length."})
+    share_prompt: bool = _hidden(False)  # refused: one completion per prompt
     # GRPO's options, hidden and refused (the values distillation runs with).
     num_generations: int = _hidden(1)
     num_generations_eval: int | None = _hidden(None)
@@ -95,10 +113,12 @@ class DistillationConfig(GRPOConfig):
         super().__post_init__()
 
     def _check_packed(self) -> None:
-        for flag in ("padding_free", "share_prompt", "max_tokens_per_batch"):
-            if getattr(self, flag) not in (False, None):
-                raise ValueError(f"--{flag}: distillation trains on padded rows for now (packed rows are GRPO's, "
-                                 "RLOO's, DPO's and KTO's); drop the flag.")
+        """GRPO's packed-row checks, less `share_prompt`: one completion per prompt leaves nothing to share."""
+        if self.share_prompt:
+            raise ValueError("--share_prompt: distillation samples one completion per prompt, so a prompt is never "
+                             "repeated in a micro-batch and there is nothing to share; drop the flag (--padding_free "
+                             "already runs each prompt once through each model).")
+        super()._check_packed()
 
     def _check_batches(self) -> None:
         """TRL's generation batch: the optimizer step's prompts, one completion each, used once."""

@@ -11,6 +11,8 @@ module's call, and a ZeRO-3 or FSDP2 teacher is gathered by its own hooks), no N
 either model alive. Each micro-batch returns its summed divergence over its completion tokens;
 the base divides by the completion tokens of the whole optimizer step over every rank (TRL's
 `num_items_in_batch`, gathered over the generation batch), `losses/distillation.py`.
+With `padding_free` a micro-batch is one packed row (`trainers/distillation_batch.py`): no
+padding and each prompt once through each backbone, the same loss and metrics.
 
 The data loaders, evaluation and completion log are GRPOTrainer's, which this class extends;
 its constructor is its own (no reward functions, no reference, a teacher).
@@ -31,11 +33,12 @@ from fusedalign.distill_head import token_divergence
 from fusedalign.distributed import prepare_reference_model
 from fusedalign.losses.distillation import DistillationMetrics, distillation_batch_loss
 from fusedalign.trainers.base import FusedAlignTrainer
-from fusedalign.trainers.distillation_batch import DistillationBatch
+from fusedalign.trainers.distillation_batch import DistillationBatch, PackedDistillationBatch, distillation_batch
 from fusedalign.trainers.distillation_rollout import DistillationRollout
 from fusedalign.trainers.grpo import GRPOTrainer, _default_generator
 from fusedalign.trainers.grpo_rollout import Split
 from fusedalign.trainers.policy import disable_dropout, load_policy
+from fusedalign.trainers.preference_inputs import check_models
 from fusedalign.trainers.teacher import load_teacher
 
 
@@ -72,6 +75,7 @@ class DistillationTrainer(GRPOTrainer):
             raise TypeError(f"DistillationTrainer takes a DistillationConfig; got {type(args).__name__}")
         policy = load_policy(model, args, processing_class, peft_config)
         teacher = load_teacher(teacher_model, policy, args)
+        check_models(args, policy.model, teacher)  # padding_free: both models can keep a row's sequences apart
         tokenizer = policy.tokenizer
         (train_dataset, train_split), (eval_dataset, eval_split) = (
             _prepare_split(d, tokenizer, args) for d in (train_dataset, eval_dataset))
@@ -90,21 +94,27 @@ class DistillationTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ the step
 
-    def prepare_step(self, model: nn.Module, batches: list[dict[str, Any]], mode: str) -> list[DistillationBatch]:
+    def prepare_step(self, model: nn.Module, batches: list[dict[str, Any]],
+                     mode: str) -> list[DistillationBatch | PackedDistillationBatch]:
         """Generates at the start of every optimizer step, then serves its micro-batches in order."""
         serve = self.rollout.train_batch if mode == "train" else self.rollout.eval_batch
-        return [DistillationBatch.of(serve(model, item["rows"], self.state)) for item in batches]
+        return [distillation_batch(serve(model, item["rows"], self.state)) for item in batches]
 
-    def count_items(self, inputs: DistillationBatch) -> torch.Tensor:
+    def count_items(self, inputs: DistillationBatch | PackedDistillationBatch) -> torch.Tensor:
         """Completion tokens: the divergence is a mean over the step's completion tokens (TRL)."""
         return inputs.loss_mask.sum().float()
 
-    def loss_and_metrics(self, model: nn.Module, inputs: DistillationBatch,
+    def loss_and_metrics(self, model: nn.Module, inputs: DistillationBatch | PackedDistillationBatch,
                          mode: str) -> tuple[torch.Tensor, DistillationMetrics]:
+        """One forward of each model over the micro-batch's rows (padded, or one packed row whose
+        prompts run once through each backbone), the divergence read back per completion."""
         args = self.args
-        out = token_divergence(model, self.teacher_model, inputs.model_inputs, inputs.labels, fused=args.fused_head,
-                               beta=args.beta, temperature=args.temperature)
-        return distillation_batch_loss(out.divergence, inputs.loss_mask, out.entropy)
+        student_inputs, labels = inputs.forward_args(model)
+        teacher_inputs, _ = inputs.forward_args(self.teacher_model)
+        out = token_divergence(model, self.teacher_model, student_inputs, labels, fused=args.fused_head,
+                               beta=args.beta, temperature=args.temperature, teacher_inputs=teacher_inputs)
+        return distillation_batch_loss(inputs.per_completion(out.divergence), inputs.loss_mask,
+                                       inputs.per_completion(out.entropy))
 
 
 def _prepare_split(dataset: Dataset | None, tokenizer: Any,

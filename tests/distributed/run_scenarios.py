@@ -178,7 +178,8 @@ def _distillation_trainer(spec: dict, common: dict, peft_config):
 
     args = DistillationConfig(**common, max_completion_length=12, beta=spec.get("beta", 1.0),
                               temperature=spec.get("temperature", 1.0), shuffle_dataset=False,
-                              teacher_model_name_or_path=spec.get("teacher", "builtin:tiny-zen-teacher"))
+                              teacher_model_name_or_path=spec.get("teacher", "builtin:tiny-zen-teacher"),
+                              **_packed(spec))
     prompts = load_dataset_any("builtin:zen", "standard_prompt_only", split="train").select(range(32))
     replay = uneven_replay(32, 1, load_tokenizer("builtin:tiny-qwen2").eos_token_id)
     return DistillationTrainer(load_model(spec.get("model", "builtin:tiny-qwen2")), args=args, train_dataset=prompts,
@@ -215,6 +216,7 @@ def run(spec: dict, out_root: str) -> None:
     from tests.head_calls import HeadCalls
 
     graphs_before = counters["stats"]["unique_graphs"]
+    batch_types = _record_batch_types(trainer)
     head = HeadCalls().start()
     resume = os.path.join(out_dir, f"checkpoint-{spec['resume_at']}") if spec.get("resume_at") else None
     trainer.train(resume_from_checkpoint=resume)
@@ -241,11 +243,26 @@ def run(spec: dict, out_root: str) -> None:
         # GRPO: the generator that ran, and how its last call went (StaticDecode: its own loop or generate).
         "generator": type(getattr(trainer, "generator", None)).__name__,
         "generator_last_call": getattr(getattr(trainer, "generator", None), "last_call", None),
+        # The types of the prepared micro-batches the loss read (padded or packed rows), on this rank.
+        "batch_types": sorted(batch_types),
     }
     if spec.get("evaluate"):
         metrics = trainer.evaluate()
         result["eval"] = {k: v for k, v in metrics.items() if isinstance(v, float) and "runtime" not in k and "per_second" not in k}
     save_result(trainer, out_dir, result)
+
+
+def _record_batch_types(trainer) -> set[str]:
+    """Records the type name of every micro-batch the trainer's loss reads (a set, filled in training)."""
+    seen: set[str] = set()
+    inner = trainer.loss_and_metrics
+
+    def recording(model, inputs, mode):
+        seen.add(type(inputs).__name__)
+        return inner(model, inputs, mode)
+
+    trainer.loss_and_metrics = recording
+    return seen
 
 
 def save_result(trainer, out_dir: str, result: dict) -> None:

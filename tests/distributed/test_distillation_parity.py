@@ -7,7 +7,10 @@ prepared the backend's way (a DeepSpeed inference engine under ZeRO-3, an FSDP2 
 head gathered by its own hooks when the student's head calls it. Scenarios: `jsd`, beta 0.5
 at temperature 0.8 with the zen teacher (another architecture, a tied head), fused and
 unfused on every backend; `softcap_lora`, reverse KL (beta 1) from a soft-capped teacher
-(tiny-gemma2) into a student with LoRA on q/v and on its head, fused. Per step: the loss and
+(tiny-gemma2) into a student with LoRA on q/v and on its head, fused; `packed`, the `jsd` run
+on packed rows (padding_free, a token budget: each rank's 4 sequences of a step in its 2
+forwards, 2 ranks x accumulation 2 x batch 2), fused, against the padded unfused 1 x 1 x 8
+run, the teacher and the student reading the same row. Per step: the loss and
 the entropy; at the end every weight, to 1e-5. The normaliser is the step's completion tokens
 over both ranks, and rank 0's and rank 1's rows hold different numbers of tokens.
 """
@@ -32,7 +35,9 @@ BASELINE = [
 ]
 _scenarios = [({**JSD, "name": "jsd", "fused": True, "per_device_batch": 4}, "jsd"),
               ({**JSD, "name": "jsd_unfused", "fused": False, "per_device_batch": 4}, "jsd"),
-              ({**SOFTCAP, "name": "softcap_lora", "fused": True, "per_device_batch": 4}, "softcap_lora")]
+              ({**SOFTCAP, "name": "softcap_lora", "fused": True, "per_device_batch": 4}, "softcap_lora"),
+              ({**JSD, "name": "packed", "fused": True, "per_device_batch": 2, "grad_accum": 2, "padding_free": True,
+                "max_tokens_per_batch": 40}, "jsd")]
 SCENARIOS = {backend: _scenarios for backend in BACKENDS}
 CASES = [(backend, spec["name"], want) for backend in BACKENDS for spec, want in SCENARIOS[backend]]
 
@@ -61,3 +66,5 @@ def test_backend_equals_single_process_unfused(runs, backend, name, want):
     got, baseline = runs(backend), runs(None)
     assert_same_training(got, name, baseline, want, backend=backend)
     _assert_same_entropy(result(got, name), result(baseline, want))
+    packed = "PackedDistillationBatch" if name == "packed" else "DistillationBatch"
+    assert result(got, name)["batch_types"] == [packed], result(got, name)["batch_types"]

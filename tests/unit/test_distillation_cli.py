@@ -75,5 +75,14 @@ def test_refuses_a_grpo_flag_and_a_beta_out_of_range(tmp_path, capsys):
     _refused(["distillation", "--num_generations", "4", "--output_dir", str(tmp_path / "r")], capsys,
              "--num_generations is an option of GRPO; distillation has none")
     _refused(["distillation", "--beta", "2", "--output_dir", str(tmp_path / "r")], capsys, "beta must be in [0, 1]")
-    _refused(["distillation", "--padding_free", "true", "--output_dir", str(tmp_path / "r")], capsys,
-             "--padding_free: distillation trains on padded rows for now")
+    _refused(["distillation", "--padding_free", "true", "--share_prompt", "true", "--output_dir",
+              str(tmp_path / "r")], capsys, "--share_prompt: distillation samples one completion per prompt")
+
+
+def test_trains_on_packed_rows_from_the_command_line(tmp_path):
+    out = tmp_path / "packed"
+    assert main(["distillation", *STUDENT, "--dataset_config", "standard_prompt_only", "--teacher_model_name_or_path",
+                 "builtin:tiny-zen-teacher", "--padding_free", "true", "--max_tokens_per_batch", "1024",
+                 "--max_prompt_length", "64", "--output_dir", str(out)]) == 0
+    records = [r for r in _records(out) if "loss" in r]
+    assert len(records) == 1 and records[0]["loss"] > 0
