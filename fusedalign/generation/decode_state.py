@@ -182,3 +182,24 @@ def dtype_stable(cache: Any) -> Any:
 def cache_keyword(lm: nn.Module) -> str:
     """The forward's name for the KV cache: `cache` from transformers 5.2x, `past_key_values` before."""
     return "cache" if "cache" in inspect.signature(type(lm).forward).parameters else "past_key_values"
+
+
+def capture_step(decode_step, device) -> "torch.cuda.CUDAGraph":
+    """Runs one decoding step eagerly (on a side stream, as capture needs), then records it as a graph."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        decode_step()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode_step()  # recorded, not run
+    return graph
+
+
+def write_back(state: DecodeState, rows: Tensor, tokens: Tensor, logprobs: Tensor | None) -> None:
+    """Copies the live batch's tokens (and log-probs) into the whole batch's rows `rows`."""
+    if state.tokens is not tokens:
+        tokens.index_copy_(0, rows, state.tokens)
+        if logprobs is not None:
+            logprobs.index_copy_(0, rows, state.logprobs)

@@ -45,11 +45,13 @@ from .hf import HFGenerate
 from .decode_state import (
     DecodeState,
     cache_keyword,
+    capture_step,
     cache_rows_selectable,
     dtype_stable,
     gumbel_max,
     process_logits,
     select_cache_rows,
+    write_back,
 )
 from . import sampling_head as sampling
 from .keyed import KeyedSampler
@@ -188,7 +190,7 @@ class StaticDecode:
         graph, done, graphs, sizes = None, 0, 0, [B]
         while done < remaining:
             if use_graphs and graph is None and remaining - done > 1:
-                graph = _capture(decode_step, device)  # its warm-up is a real step, eager
+                graph = capture_step(decode_step, device)  # its warm-up is a real step, eager
                 graphs += 1
             elif graph is not None:
                 graph.replay()
@@ -203,7 +205,7 @@ class StaticDecode:
                 break
             if self._compacts(left, state.rows, cache) and done < remaining:
                 keep = live.nonzero()[:, 0]
-                _write_back(state, rows, tokens, logprobs)
+                write_back(state, rows, tokens, logprobs)
                 del graph  # its memory pool goes with it
                 graph, rows = None, rows.index_select(0, keep)
                 state = state.select(keep)
@@ -211,7 +213,7 @@ class StaticDecode:
                 if self.sampler is not None:
                     self.sampler.select(keep)
                 sizes.append(left)
-        _write_back(state, rows, tokens, logprobs)
+        write_back(state, rows, tokens, logprobs)
         self.last_call = {"path": "static", "graph": graphs > 0, "graphs": graphs, "steps": 1 + done,
                           "batch_sizes": sizes, "fused_sampling": post is not None,
                           "why_not_fused": why_not_fused}
@@ -230,24 +232,3 @@ class StaticDecode:
     def _compacts(self, left: int, rows: int, cache: Any) -> bool:
         """Whether to gather the `left` live rows of `rows` into a batch of their own now."""
         return self.compact_below > 0 and left <= self.compact_below * rows and cache_rows_selectable(cache)
-
-
-def _capture(decode_step, device) -> "torch.cuda.CUDAGraph":
-    """Runs one decoding step eagerly (on a side stream, as capture needs), then records it as a graph."""
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        decode_step()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        decode_step()  # recorded, not run
-    return graph
-
-
-def _write_back(state: DecodeState, rows: Tensor, tokens: Tensor, logprobs: Tensor | None) -> None:
-    """Copies the live batch's tokens (and log-probs) into the whole batch's rows `rows`."""
-    if state.tokens is not tokens:
-        tokens.index_copy_(0, rows, state.tokens)
-        if logprobs is not None:
-            logprobs.index_copy_(0, rows, state.logprobs)
