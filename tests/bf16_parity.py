@@ -51,7 +51,9 @@ def assert_within(dtype: torch.dtype, keys: tuple[str, ...], truth, baseline, ou
         err = max(abs(o_logs[i][key] - w) for i, w in zip(steps, want))
         base = max(abs(b_logs[i][key] - w) for i, w in zip(steps, want))
         floor = FLOOR[dtype] * max(1.0, *(abs(w) for w in want))
+        print(f"{name} {key}: error {err:.3g}, baseline's {base:.3g}, floor {floor:.3g}")  # shown with pytest -s
         assert err <= SLACK * base + floor, (name, key, err, base, floor)
     assert float(t_delta.norm()) > 0  # training moved the weights
     err, base = float((o_delta - t_delta).norm()), float((b_delta - t_delta).norm())
+    print(f"{name} weights' change: error {err:.3g}, baseline's {base:.3g}, norm {float(t_delta.norm()):.3g}")
     assert err <= SLACK * base + FLOOR[dtype] * float(t_delta.norm()), (name, "weights", err, base)
