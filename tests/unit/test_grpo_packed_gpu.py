@@ -11,9 +11,8 @@ runs take flex attention, their CUDA default (attention/selection.py), and the p
 
 Micro-batches of one group (G completions), two a step, three steps, num_iterations 2, beta 0.04,
 loss dapo, SGD with the gradient clipped to norm 1. Three runs on the same replayed completions
-(uneven, some truncated, one-token ones): the truth,
-padded rows in float32 (no TF32); padded rows in bf16 (autocast over float32 weights); packed rows
-in bf16. The criterion (tests/bf16_parity.py): the packed run's largest error over the steps in
+(uneven, some truncated, one-token ones): the truth, padded rows in float32 (no TF32); padded rows
+in bf16 (autocast over float32 weights); packed rows in bf16. The criterion (tests/bf16_parity.py): the packed run's largest error over the steps in
 loss, kl and entropy, and in the weights' change, at most 3x the padded bf16 run's plus a floor of
 1e-3 of the largest value compared. On the CPU in float32 the padded run is the truth, so the packed
 run must equal it within the float32 floor, 1e-5: a fault of the test itself shows in CPU CI.
