@@ -9,6 +9,9 @@ TRAINING_COMMANDS: dict[str, tuple[str, str]] = {
     "distillation": ("fusedalign.configs.distillation:DistillationConfig",
                      "fusedalign.trainers.distillation:DistillationTrainer"),
 }
+# The commands whose trainer samples completions (GRPO's rollout): vLLM flags name what generates
+# instead, and `fusedalign verify` keys their draws so every split of the batch samples alike.
+GENERATING_COMMANDS = ("grpo", "rloo", "distillation")
 
 
 def load(spec: str):

@@ -15,6 +15,7 @@ import re
 import sys
 from typing import Any
 
+from fusedalign.cli.commands import GENERATING_COMMANDS
 from fusedalign.cli.demo import banner, demo_defaults
 from fusedalign.errors import CLIError
 
@@ -36,7 +37,7 @@ FLAG_ALIASES = {"--use_liger_kernel": "--fused_head"}
 
 # TRL flags of a machinery fusedalign does not have: one line saying what runs instead.
 def _vllm_line(command: str, flag: str) -> str:
-    if command in ("grpo", "rloo", "distillation"):
+    if command in GENERATING_COMMANDS:
         return (f"{flag}: fusedalign does not use vLLM; completions are sampled in the training processes by "
                 "--generation_backend (auto: fusedalign's StaticDecode, one CUDA graph a token, on CUDA; "
                 "transformers' generate on the CPU) with the same sampling flags; drop the vLLM flags.")

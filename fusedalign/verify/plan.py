@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fusedalign.cli.commands import GENERATING_COMMANDS
 from fusedalign.errors import CLIError
 from fusedalign.launch import REPO_CPU_CONFIGS
 
@@ -191,7 +192,7 @@ def overrides(options: VerifyOptions, args: Any, model_args: Any) -> list[str]:
            "--load_best_model_at_end", "false", "--push_to_hub", "false"]
     if model_args.use_peft:
         out += ["--lora_dropout", "0"]
-    if options.trainer in ("grpo", "rloo", "distillation"):  # the trainers that generate
+    if options.trainer in GENERATING_COMMANDS:
         out += ["--shuffle_dataset", "false"]
         if args.replay_completions is None:  # the same completions in every run, however the batch is split
             out += ["--keyed_sampling", "true"]
