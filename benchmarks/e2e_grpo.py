@@ -122,7 +122,7 @@ class BackboneTokens:
         self.total, self.at_begin, self.per_step = 0, 0, []
 
     def count(self, module, args, kwargs) -> None:
-        if any(kwargs.get(name) is not None for name in ("past_key_values", "cache")):
+        if ending.decoding(kwargs):
             return  # a generation forward
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is not None:

@@ -71,6 +71,12 @@ def expected_length(fit: LengthFit | None, max_new_tokens: int) -> float:
     return sum(expected_live_rows(fit, 1, max_new_tokens))
 
 
+def decoding(kwargs: dict) -> bool:
+    """Whether a causal LM's forward, called with `kwargs`, is a decoding step: given a KV cache
+    (`past_key_values`, or `cache` from transformers 5.2x), as generate's and StaticDecode's are."""
+    return any(kwargs.get(name) is not None for name in ("past_key_values", "cache"))
+
+
 def end_at_lengths(model: Any, fit: LengthFit, eos: int, max_new_tokens: int) -> Any:
     """Installs the hook on `model` (a causal LM); returns its handle (`.remove()` takes it off)."""
     import torch
@@ -80,7 +86,7 @@ def end_at_lengths(model: Any, fit: LengthFit, eos: int, max_new_tokens: int) ->
     k = torch.zeros((), dtype=torch.long, device=device)
 
     def hook(module, args, kwargs, output):
-        if not any(kwargs.get(name) is not None for name in ("past_key_values", "cache")):
+        if not decoding(kwargs):
             return None
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is not None and ids.shape[1] > 1:
