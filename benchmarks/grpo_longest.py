@@ -17,6 +17,7 @@ import os
 import sys
 
 from benchmarks.harness import runner
+from benchmarks.harness.bisect import longest_that_fits
 from benchmarks.harness.env import log
 from benchmarks.harness.tables import fmt, markdown
 
@@ -38,25 +39,11 @@ def probe(args, config: str, length: int) -> dict:
 
 
 def search_one(args, config: str) -> dict:
-    step = args.search_step
-    lo, hi = args.search_min // step, args.search_max // step + 1  # lo fits (0: none known), hi does not
-    probes = []
-    log(f"{config}: searching up to {args.search_max} in steps of {step} ({args.prompts} x {args.num_generations} "
-        f"completions, micro-batch {args.per_device_train_batch_size}, gradient checkpointing "
+    log(f"{config}: searching up to {args.search_max} in steps of {args.search_step} ({args.prompts} x "
+        f"{args.num_generations} completions, micro-batch {args.per_device_train_batch_size}, gradient checkpointing "
         f"{'on' if args.gradient_checkpointing else 'off'})")
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        r = probe(args, config, mid * step)
-        probes.append({"length": mid * step, "status": r["status"], "peak_gib": r.get("peak_gib")})
-        log(f"  {mid * step}: {r['status']}" + (f", peak {fmt(r.get('peak_gib'), '.1f')} GiB" if r.get("peak_gib") else ""))
-        if r["status"] == "ok":
-            lo = mid
-        elif r["status"] == "OOM":
-            hi = mid
-        else:
-            return {"status": "error", "error": r.get("error"), "probes": probes}
-    return {"status": "ok", "longest": lo * step if lo else None, "capped": hi > args.search_max // step,
-            "probes": probes}
+    return longest_that_fits(lambda length: probe(args, config, length), name=config, step=args.search_step,
+                             smallest=args.search_min, largest=args.search_max)
 
 
 def search(args, skipped: dict) -> tuple[dict, str]:

@@ -4,38 +4,19 @@ checkpointing, by binary search over multiples of --search_step (2 steps a probe
 from __future__ import annotations
 
 from benchmarks.dpo_modes.launch import launch
+from benchmarks.harness.bisect import longest_that_fits
 from benchmarks.harness.env import log
-from benchmarks.harness.tables import fmt, markdown
+from benchmarks.harness.tables import markdown
 
 
 def search_one(args, config: str) -> dict:
-    step = args.search_step
-    lo = args.search_min // step  # the largest multiple of step known to fit (0: none)
-    hi = args.search_max // step + 1  # known not to fit (one past the range)
-    probes = []
-    log(f"\n{config}: searching {max(lo, 1) * step}..{args.search_max} in steps of {step} "
-        f"({args.pairs} pairs, micro-batch {args.per_device_train_batch_size}, gradient checkpointing)")
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        length = mid * step
-        if length <= args.prompt_length:
-            lo = mid
-            continue
-        r = launch(args, config, length, f"search-{config}-{length}", warmup=1, timed=1)
-        probes.append({"length": length, "status": r["status"], "peak_gib": r.get("peak_gib"),
-                       "tokens_per_s": r.get("tokens_per_s")})
-        log(f"  {length}: {r['status']}" + (f", peak {fmt(r.get('peak_gib'), '.1f')} GiB" if r.get("peak_gib") else ""))
-        if r["status"] == "ok":
-            lo = mid
-        elif r["status"] == "OOM":
-            hi = mid
-        else:
-            log(f"  {config}: search stopped by an error: {r.get('error')}")
-            return {"status": "error", "error": r.get("error"), "probes": probes}
-    longest = lo * step if lo > 0 else None
-    capped = hi > args.search_max // step
-    log(f"  {config}: longest that fits: " + ("none" if longest is None else f"{'>= ' if capped else ''}{longest}"))
-    return {"status": "ok", "longest": longest, "capped": capped, "probes": probes}
+    log(f"\n{config}: searching {max(args.search_min // args.search_step, 1) * args.search_step}..{args.search_max} "
+        f"in steps of {args.search_step} ({args.pairs} pairs, micro-batch {args.per_device_train_batch_size}, "
+        "gradient checkpointing)")
+    return longest_that_fits(
+        lambda length: launch(args, config, length, f"search-{config}-{length}", warmup=1, timed=1),
+        name=config, step=args.search_step, smallest=args.search_min, largest=args.search_max,
+        known_to_fit=lambda length: length <= args.prompt_length)
 
 
 def search(args, skipped) -> tuple[dict, list[str]]:

@@ -1,0 +1,45 @@
+"""The longest length that fits: binary search over multiples of a step, one probe a length.
+
+A probe returns a worker result (`harness/runner.py`): status "ok" (it fits), "OOM" (it does
+not) or anything else (an error, which ends the search).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from benchmarks.harness.env import log
+from benchmarks.harness.tables import fmt
+
+
+def longest_that_fits(probe: Callable[[int], dict], *, name: str, step: int, smallest: int, largest: int,
+                      known_to_fit: Callable[[int], bool] = lambda length: False) -> dict:
+    """Searches (smallest .. largest] in multiples of `step`; `known_to_fit(length)` skips a probe.
+
+    Returns:
+        {"status": "ok", "longest": tokens or None, "capped": the largest fitted, "probes": [...]},
+        or {"status": "error", "error": ..., "probes": [...]}.
+    """
+    lo, hi = smallest // step, largest // step + 1  # lo fits (0: none known), hi does not (one past the range)
+    probes = []
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        length = mid * step
+        if known_to_fit(length):
+            lo = mid
+            continue
+        r = probe(length)
+        probes.append({"length": length, "status": r["status"], "peak_gib": r.get("peak_gib"),
+                       "tokens_per_s": r.get("tokens_per_s")})
+        log(f"  {length}: {r['status']}" + (f", peak {fmt(r.get('peak_gib'), '.1f')} GiB" if r.get("peak_gib") else ""))
+        if r["status"] == "ok":
+            lo = mid
+        elif r["status"] == "OOM":
+            hi = mid
+        else:
+            log(f"  {name}: search stopped by an error: {r.get('error')}")
+            return {"status": "error", "error": r.get("error"), "probes": probes}
+    longest = lo * step if lo > 0 else None
+    capped = hi > largest // step
+    log(f"  {name}: longest that fits: " + ("none" if longest is None else f"{'>= ' if capped else ''}{longest}"))
+    return {"status": "ok", "longest": longest, "capped": capped, "probes": probes}
