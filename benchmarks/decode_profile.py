@@ -24,6 +24,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import shutil
 import sys
@@ -35,7 +36,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.builders.model import build_model  # noqa: E402
-from benchmarks.harness.decode_limit import Shape, limit_tokens_per_s, peaks_of  # noqa: E402
+from benchmarks.harness.decode_limit import Shape, peaks_of, step_seconds  # noqa: E402
 from benchmarks.harness.env import log, versions, versions_line  # noqa: E402
 from benchmarks.harness.tables import markdown, write_markdown  # noqa: E402
 
@@ -59,6 +60,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model_dir", default=None)
     p.add_argument("--markdown_out", default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--attn_implementation", default=None, help="the model's attention (default: transformers')")
+    p.add_argument("--transformers_attention", action="store_true",
+                   help="decode through the model's own attention, not StaticDecode's grouped sdpa")
+    p.add_argument("--kernels", type=int, default=0, metavar="N",
+                   help="also list the N kernels that take the most GPU time in the forward (torch.profiler)")
     args = p.parse_args(argv)
     if args.device is None:
         import torch
@@ -183,13 +189,32 @@ def profile_batch(args, model, batch: int, clock: Clock) -> dict[str, float]:
             times[name] = clock.graph_ms(fn)
         times["step, one graph"] = clock.graph_ms(whole)
         times["step, eager"] = clock.eager_ms(whole)
+        kernels = top_kernels(forward, args.kernels) if args.kernels and device.type == "cuda" else []
     del cache
-    return times
+    return times, kernels
+
+
+def top_kernels(fn, count: int) -> list[tuple[str, float, int]]:
+    """The `count` kernels with the most GPU time in three calls of `fn`: (name, ms a call, launches a call)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    return [(e.key[:90], e.self_device_time_total / 3000, e.count // 3) for e in events[:count]]
 
 
 def main(argv=None) -> int:
     import torch
     from transformers import AutoModelForCausalLM
+
+    from fusedalign.generation.decode_attention import decoding_attention, decoding_implementation
 
     args = parse_args(argv)
     log("versions: " + versions_line(versions(("torch", "transformers"))))
@@ -200,21 +225,25 @@ def main(argv=None) -> int:
                                     seed=args.seed))
     try:
         dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-        model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype).to(args.device).eval()
+        extra = {"attn_implementation": args.attn_implementation} if args.attn_implementation else {}
+        model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype, **extra).to(args.device).eval()
         device = next(model.parameters()).device
         gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
         shape = Shape.of(model.config, sum(p.numel() for p in model.parameters()), dtype.itemsize)
         peaks = peaks_of(gpu)
         clock = Clock(device, args.repeats)
-        rows = []
+        rows, kernel_rows = [], []
+        attention = model.config._attn_implementation if args.transformers_attention else decoding_implementation(model)
         for batch in args.batches:
-            times = profile_batch(args, model, batch, clock)
+            with contextlib.nullcontext() if args.transformers_attention else decoding_attention(model):
+                times, kernels = profile_batch(args, model, batch, clock)
+            kernel_rows += [[str(batch), name, f"{ms:.3f}", str(n)] for name, ms, n in kernels]
             step = times["step, one graph"]
             for name, ms in times.items():
                 rows.append([str(batch), name, f"{ms:.3f}", f"{100 * ms / step:.0f}%" if name in PARTS else ""])
             if peaks is not None:
                 context = args.prompt_length + args.new_tokens // 2
-                floor = 1000 * batch / limit_tokens_per_s(shape, peaks, context, [batch] * 2)
+                floor = 1000 * step_seconds(shape, peaks, batch, context)
                 rows.append([str(batch), f"decode limit at context {context}", f"{floor:.3f}", ""])
             log(f"batch {batch}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in times.items()))
     finally:
@@ -222,10 +251,14 @@ def main(argv=None) -> int:
             shutil.rmtree(args.model_dir, ignore_errors=True)
     flags = ", ".join(f"{k} {getattr(args, k)}" for k in ("temperature", "top_k", "top_p", "min_p",
                                                           "repetition_penalty"))
-    title = (f"### one StaticDecode token, by part ({gpu}; context {args.prompt_length} + {args.new_tokens // 2}; "
+    title = (f"### one StaticDecode token, by part ({gpu}; {attention} attention; context {args.prompt_length} + {args.new_tokens // 2}; "
              f"{flags}; {'CUDA graph replays' if device.type == 'cuda' else 'eager, wall clock'}, mean of "
              f"{args.repeats})")
     text = title + "\n\n" + markdown(["batch", "part", "ms", "of the step"], rows, numeric={0, 2, 3})
+    if kernel_rows:
+        text += (f"\n\n### the forward's kernels with the most GPU time ({attention} "
+                 "attention; eager calls under torch.profiler, mean of 3)\n\n"
+                 + markdown(["batch", "kernel", "ms a forward", "launches"], kernel_rows, numeric={0, 2, 3}))
     log("\n" + text + "\n")
     write_markdown(args, [text])
     return 0

@@ -63,13 +63,16 @@ class Shape:
 
 def limit_tokens_per_s(shape: Shape, peaks: Peaks, prompt_length: int, live_rows: Sequence[float]) -> float:
     """The decode limit for rows of `prompt_length` tokens, `live_rows[k]` of them drawing token k."""
-    bandwidth, peak = peaks.tb_per_s * 1e12, peaks.tflops * 1e12
+    seconds = 2 * live_rows[0] * prompt_length * shape.params / (peaks.tflops * 1e12)  # the prefill draws token 0
+    for k, b in enumerate(live_rows[1:], start=1):
+        seconds += step_seconds(shape, peaks, b, prompt_length + k)
+    return sum(live_rows) / seconds
+
+
+def step_seconds(shape: Shape, peaks: Peaks, rows: float, context: int) -> float:
+    """The floor of one decoding step: `rows` rows each at `context` tokens (the bytes and flops above)."""
     s = shape
     kv_per_token = 2 * s.layers * s.kv_heads * s.head_dim * s.dtype_bytes
-    seconds = 2 * live_rows[0] * prompt_length * s.params / peak  # the prefill draws token 0
-    for k, b in enumerate(live_rows[1:], start=1):
-        c = prompt_length + k
-        traffic = s.params * s.dtype_bytes + b * c * kv_per_token
-        work = 2 * b * s.params + 4 * b * c * s.layers * s.heads * s.head_dim
-        seconds += max(traffic / bandwidth, work / peak)
-    return sum(live_rows) / seconds
+    traffic = s.params * s.dtype_bytes + rows * context * kv_per_token
+    work = 2 * rows * s.params + 4 * rows * context * s.layers * s.heads * s.head_dim
+    return max(traffic / (peaks.tb_per_s * 1e12), work / (peaks.tflops * 1e12))

@@ -54,9 +54,10 @@ from .decode_state import (
     write_back,
 )
 from . import sampling_head as sampling
+from .decode_attention import GROUPED, decoding_attention, decoding_implementation
 from .keyed import KeyedSampler
 
-MASK_IMPLEMENTATIONS = ("sdpa", "eager")
+MASK_IMPLEMENTATIONS = (GROUPED, "sdpa", "eager")
 
 
 class StaticDecode:
@@ -119,7 +120,7 @@ class StaticDecode:
     def unsupported(model: nn.Module) -> str | None:
         """Why this loop cannot decode `model` (None: it can)."""
         lm = unwrap_model(model)
-        implementation = getattr(lm.config, "_attn_implementation", None)
+        implementation = decoding_implementation(lm)
         if implementation not in MASK_IMPLEMENTATIONS:
             return f"attention implementation {implementation!r} (the loop needs one of {MASK_IMPLEMENTATIONS})"
         if any(w is not None for w in layer_windows(lm).values()):
@@ -138,7 +139,7 @@ class StaticDecode:
             self.last_call = {"path": "generate", "why": reason}
             return self.fallback.generate(model, prompt_ids, row_keys, step=step)
         input_ids, attention_mask = left_pad(prompt_ids, self.pad_token_id)
-        with torch.no_grad():
+        with torch.no_grad(), decoding_attention(unwrap_model(model)):
             tokens, logprobs = self._decode(model, input_ids, attention_mask, row_keys, step)
         completions, truncated = cut_after_eos(tokens, self.eos_token_ids)
         if logprobs is not None:

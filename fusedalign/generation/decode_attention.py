@@ -1,0 +1,101 @@
+"""The attention StaticDecode decodes with: sdpa, with a decoding step's grouped query heads
+read against their shared key/value heads instead of against copies of them.
+
+A model with grouped-query attention (h query heads sharing g < h key/value heads; Qwen2.5-0.5B
+has 14 and 2) decoding one token through transformers' sdpa with a padding mask copies its
+whole KV cache h/g times in every layer and step (`repeat_kv`: sdpa's own GQA path refuses a
+mask on CUDA), and the attention then reads the copies. On one H200 at batch 512 and context
+256 (2026-12-04, 0f0ef59, `benchmarks/decode_profile.py --kernels`) those copies took 24.5 ms
+of a 33 ms forward and the attention another 5.7 ms. With one query position, the h/g query
+heads of a group can instead stand as h/g query *positions* of one head: [B, h, 1, d] viewed as
+[B, g, h/g, d] (no copy), attending to the g heads' keys as they are, under the same mask (one
+row's padding mask is the same for every head and position). The arithmetic is the same dot
+products, softmaxes and sums; only the kernel's tiling differs. transformers from 5.25 does the
+same in its sdpa path outside torch.compile; this one also serves 5.17 and compiled decoding.
+
+During a generation, `decoding_attention(lm)` switches a model whose attention is sdpa or flex
+attention to this implementation (registered with transformers' attention and mask interfaces
+under `GROUPED`) and switches it back after, whatever happens. Flex attention is what packed
+training rows use on CUDA; for decoding it would build a block mask every step, and the loop
+did not accept it before (such a model fell back to `generate`). Eager attention (soft-capped
+models such as Gemma 2) is left as it is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+from torch import Tensor, nn
+
+GROUPED = "fusedalign_grouped_sdpa"
+SWITCHED = ("sdpa", "flex_attention")
+
+
+def grouped_sdpa_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                         dropout: float = 0.0, scaling: float | None = None, **kwargs: Any) -> tuple[Tensor, None]:
+    """transformers' attention-function signature: query [B, h, q, d], key and value [B, g, k, d];
+    returns ([B, q, h, d], None). A single query position with g < h goes the grouped way;
+    everything else (prefill, training) is transformers' sdpa."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    B, h, q, d = query.shape
+    per_head_mask = attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] != 1
+    if (q != 1 or groups == 1 or per_head_mask or kwargs.get("position_bias") is not None
+            or kwargs.get("softcap") is not None or kwargs.get("output_attentions", False)):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    g = key.shape[1]
+    grouped = query.reshape(B, g, h // g, d)  # the group's query heads as query positions
+    out = torch.nn.functional.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask,
+                                                           dropout_p=dropout, scale=scaling)
+    return out.reshape(B, h, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    """Make `GROUPED` a name transformers' models accept as `config._attn_implementation` (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    if GROUPED not in AttentionInterface._global_mapping:
+        AttentionInterface.register(GROUPED, grouped_sdpa_forward)
+    if GROUPED not in ALL_MASK_ATTENTION_FUNCTIONS:
+        AttentionMaskInterface.register(GROUPED, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+
+
+def decoding_implementation(lm: nn.Module) -> str | None:
+    """The attention implementation `lm` decodes with inside `decoding_attention`."""
+    current = getattr(lm.config, "_attn_implementation", None)
+    text = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
+    if current in SWITCHED and getattr(text, "attn_logit_softcapping", None) is None:
+        return GROUPED
+    return current
+
+
+@contextlib.contextmanager
+def decoding_attention(lm: nn.Module) -> Iterator[None]:
+    """`lm` (unwrapped) attends through `decoding_implementation(lm)` inside the block; after it,
+    its config and every sub-config hold exactly the implementation they held before."""
+    wanted = decoding_implementation(lm)
+    if wanted == getattr(lm.config, "_attn_implementation", None):
+        yield
+        return
+    register()
+    configs = list(_configs(lm.config))
+    before = [c._attn_implementation_internal for c in configs]
+    lm.config._attn_implementation = wanted  # transformers sets the sub-configs too
+    try:
+        yield
+    finally:
+        for config, implementation in zip(configs, before):
+            config._attn_implementation_internal = implementation
+
+
+def _configs(config: Any) -> Iterator[Any]:
+    yield config
+    for key in getattr(config, "sub_configs", {}) or {}:
+        sub = getattr(config, key, None)
+        if sub is not None and hasattr(sub, "_attn_implementation_internal"):
+            yield from _configs(sub)
