@@ -298,3 +298,32 @@ def test_step_clock_starts_when_the_trainer_fetches_the_steps_batches():
     timer.on_step_end(None, None, None)
     assert len(timer.begin) == len(timer.end) == 2
     assert timer.end[0] - timer.begin[0] >= 0.05 > timer.end[1] - timer.begin[1]
+
+
+def test_one_decoding_steps_floor_by_hand():
+    """The floor of one step is the larger of its bytes over the bandwidth and its flops over the
+    peak; the limit over several steps adds a prefill and those floors."""
+    from benchmarks.harness.decode_limit import Peaks, Shape, limit_tokens_per_s, step_seconds
+
+    shape = Shape(params=1000, layers=2, heads=4, kv_heads=2, head_dim=8, hidden=32, vocab=10, dtype_bytes=2)
+    peaks = Peaks("test", tb_per_s=1e-9, tflops=1e-9)  # 1000 bytes/s, 1000 flop/s
+    # bytes: 1000 * 2 + 3 rows * 5 tokens * (2 * 2 * 2 * 8 * 2) = 2000 + 1920; flops: 2*3*1000 + 4*3*5*2*4*8
+    assert step_seconds(shape, peaks, 3, 5) == pytest.approx(max(3920 / 1000, (6000 + 3840) / 1000), rel=1e-12)
+    prefill = 2 * 3 * 4 * 1000 / 1000
+    want = (3 + 3) / (prefill + step_seconds(shape, peaks, 3, 5))
+    assert limit_tokens_per_s(shape, peaks, 4, [3, 3]) == pytest.approx(want, rel=1e-12)
+
+
+def test_decode_profile_cpu_smoke_lists_each_part_and_the_attention_it_decoded_with(tmp_path):
+    from benchmarks import decode_profile
+
+    out = tmp_path / "profile.md"
+    assert decode_profile.main(["--device", "cpu", "--tiny", "--repeats", "1", "--markdown_out", str(out)]) == 0
+    text = out.read_text()
+    assert "fusedalign_grouped_sdpa attention" in text
+    for part in decode_profile.PARTS + ("step, one graph", "step, eager"):
+        assert f"| {part} |" in text
+    out2 = tmp_path / "transformers.md"
+    decode_profile.main(["--device", "cpu", "--tiny", "--repeats", "1", "--transformers_attention",
+                         "--markdown_out", str(out2)])
+    assert "; sdpa attention;" in out2.read_text()
