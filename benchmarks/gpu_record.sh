@@ -8,15 +8,17 @@
 # A part that runs past its limit is stopped (with its subprocesses); what it measured
 # until then is in its .md (tables are rewritten after each configuration) and its .log.
 # TINY=1 runs the same parts on the CPU with the tiny model (a check that each one starts).
-# PARTS names the parts to run (default: the four below, about 10 minutes together); the
-# distillation part, with its teacher, is a 10-minute command of its own: PARTS=distill.
+# PARTS names the parts to run (default: decode grpo generation dpo_flex, about 9 minutes
+# together); the others are commands of their own: PARTS=distill (with its teacher, about 8
+# minutes), PARTS="e2e_dpo real_lengths grpo_real" (about 9 minutes).
 set -u
 OUT=${OUT:-$PWD/bench-out}
 MODEL=${MODEL:-/tmp/bench-model}
 TEACHER=${TEACHER:-/tmp/bench-teacher}
-PARTS=${PARTS:-"e2e_dpo grpo generation real_lengths"}
-if [ "${TINY:-0}" = 1 ]; then X="--device cpu --tiny"; SHAPE="tiny=True, dtype='fp32'"; GRPO_SHAPE=""; BATCH=4
-else X=""; SHAPE="tiny=False, dtype='bf16'"; GRPO_SHAPE="--prompts 16 --num_generations 8 --new_tokens 128"; BATCH=128; fi
+PARTS=${PARTS:-"decode grpo generation dpo_flex"}
+if [ "${TINY:-0}" = 1 ]; then X="--device cpu --tiny"; SHAPE="tiny=True, dtype='fp32'"; GRPO_REAL=""; BATCH=4; BATCHES=4
+else X=""; SHAPE="tiny=False, dtype='bf16'"; BATCH=512; BATCHES="64 256 512"
+     GRPO_REAL="--prompts 8 --completion_lengths lognormal:300:1500 --new_tokens 2048 --per_device_train_batch_size 8"; fi
 mkdir -p "$OUT"
 : > "$OUT/summary.txt"
 
@@ -37,16 +39,24 @@ part() {  # part NAME SECONDS COMMAND...
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import benchmarks.harness.env as e; print(e.versions_line(e.versions()))"; } > "$OUT/machine.txt" 2>&1
 part model 30 python3 -c "from benchmarks.builders.model import build_model as b; print(b('$MODEL', $SHAPE, seed=0))"
+part decode 45 python3 benchmarks/decode_profile.py $X --batches $BATCHES --repeats 5 --kernels 8 \
+    --model_dir "$MODEL" --markdown_out "$OUT/decode.md"
+part grpo 200 python3 benchmarks/e2e_grpo.py $X --configs ours ours_shared_prompt trl \
+    --warmup_steps 1 --timed_steps 2 \
+    --model_dir "$MODEL" --log_dir "$OUT/grpo" --markdown_out "$OUT/grpo.md"
+part generation 110 python3 benchmarks/generation.py $X --batches $BATCH --repeats 1 --methods ours ours_fused dynamic_eos \
+    --model_dir "$MODEL" --log_dir "$OUT/generation" --markdown_out "$OUT/generation.md"
+part dpo_flex 150 python3 benchmarks/e2e_dpo.py $X --real_lengths ultrafeedback --warmup_steps 2 --timed_steps 2 \
+    --configs ours_padding_free_fixed_flex ours_shared_prompt_fixed_flex trl_liger --per_device_train_batch_size 8 \
+    --model_dir "$MODEL" --log_dir "$OUT/dpo_flex" --markdown_out "$OUT/dpo_flex.md"
 part e2e_dpo 200 python3 benchmarks/e2e_dpo.py $X --lengths 2048 4096 --configs ours_fused_compile trl_liger \
     --model_dir "$MODEL" --log_dir "$OUT/e2e_dpo" --markdown_out "$OUT/e2e_dpo.md"
-part grpo 120 python3 benchmarks/e2e_grpo.py $X --configs ours trl $GRPO_SHAPE \
-    --warmup_steps 2 --timed_steps 2 \
-    --model_dir "$MODEL" --log_dir "$OUT/grpo" --markdown_out "$OUT/grpo.md"
-part generation 80 python3 benchmarks/generation.py $X --batches $BATCH --repeats 2 --methods dynamic_eos ours \
-    --model_dir "$MODEL" --log_dir "$OUT/generation" --markdown_out "$OUT/generation.md"
 part real_lengths 150 python3 benchmarks/e2e_dpo.py $X --real_lengths ultrafeedback --warmup_steps 2 --timed_steps 2 \
     --configs trl_liger ours_shared_prompt_flex trl_liger_grouped \
     --model_dir "$MODEL" --log_dir "$OUT/real_lengths" --markdown_out "$OUT/real_lengths.md"
+part grpo_real 200 python3 benchmarks/e2e_grpo.py $X --configs ours ours_shared_prompt trl $GRPO_REAL \
+    --warmup_steps 1 --timed_steps 2 \
+    --model_dir "$MODEL" --log_dir "$OUT/grpo_real" --markdown_out "$OUT/grpo_real.md"
 part teacher 90 python3 -c "from benchmarks.builders.model import build_model as b; print(b('$TEACHER', $SHAPE, seed=1, shape='1.5b'))"
 part distill 420 python3 benchmarks/e2e_distill.py $X --configs ours trl \
     --model_dir "$MODEL" --teacher_dir "$TEACHER" --log_dir "$OUT/distill" --markdown_out "$OUT/distill.md"
