@@ -28,6 +28,7 @@ from typing import Any, Iterator
 
 import torch
 from torch import Tensor, nn
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 GROUPED = "fusedalign_grouped_sdpa"
 SWITCHED = ("sdpa", "flex_attention")
@@ -38,8 +39,6 @@ def grouped_sdpa_forward(module: nn.Module, query: Tensor, key: Tensor, value: T
     """transformers' attention-function signature: query [B, h, q, d], key and value [B, g, k, d];
     returns ([B, q, h, d], None). A single query position with g < h goes the grouped way;
     everything else (prefill, training) is transformers' sdpa."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     groups = getattr(module, "num_key_value_groups", 1)
     B, h, q, d = query.shape
     per_head_mask = attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] != 1
