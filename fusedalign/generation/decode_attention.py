@@ -11,7 +11,7 @@ heads of a group can instead stand as h/g query *positions* of one head: [B, h, 
 [B, g, h/g, d] (no copy), attending to the g heads' keys as they are, under the same mask (one
 row's padding mask is the same for every head and position). The arithmetic is the same dot
 products, softmaxes and sums; only the kernel's tiling differs. transformers from 5.25 does the
-same in its sdpa path outside torch.compile; this one also serves 5.17 and compiled decoding.
+same in its sdpa path outside torch.compile; this one also serves 5.17, and torch.compile.
 
 During a generation, `decoding_attention(lm)` switches a model whose attention is sdpa or flex
 attention to this implementation (registered with transformers' attention and mask interfaces
