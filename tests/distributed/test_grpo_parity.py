@@ -19,7 +19,8 @@ Three splits that layout never makes, on DDP and, where noted, ZeRO-3:
   while rank 1 has loss tokens, the entropy quantile's cross-rank gather included.
 The keys each rank generated for (run_scenarios.py records them) show each split happened.
 On every backend, packed rows (`packed_kl_mu2`: padding_free, share_prompt, a token budget,
-beta > 0, num_iterations 2, 2 ranks x accumulation 2 x batch 2) against padded 1 x 1 x 8.
+beta > 0, num_iterations 2, 2 ranks x accumulation 2 x batch 2) against padded 1 x 1 x 8, with
+and without gradient checkpointing.
 """
 
 from __future__ import annotations
@@ -83,11 +84,13 @@ _resumed = ({**GRPO, "name": "keyed_mu2_resumed", "fused": True, "per_device_bat
 _packed = ({**GRPO, "name": "packed_kl_mu2", "fused": True, "per_device_batch": 2, "grad_accum": 2,
             "loss_type": "grpo", "beta": 0.1, "num_iterations": 2, "padding_free": True, "share_prompt": True,
             "max_tokens_per_batch": 80}, "grpo_kl_mu2")
+# The same with gradient checkpointing (non-reentrant): recomputed layers over packed rows.
+_packed_ckpt = ({**_packed[0], "name": "packed_kl_mu2_ckpt", "gradient_checkpointing": True}, "grpo_kl_mu2")
 SCENARIOS = {
-    "ddp": _common + [_lora, _span, _accum, _masked_rank0, _packed],
-    "zero2": _common + [_kl, _packed],
-    "zero3": _common + [_kl, _lora, _keyed, _keyed_static, _span, _masked_rank0, _resumed, _packed],
-    "fsdp2": _common + [_kl, _lora, _keyed, _keyed_static, _packed],
+    "ddp": _common + [_lora, _span, _accum, _masked_rank0, _packed, _packed_ckpt],
+    "zero2": _common + [_kl, _packed, _packed_ckpt],
+    "zero3": _common + [_kl, _lora, _keyed, _keyed_static, _span, _masked_rank0, _resumed, _packed, _packed_ckpt],
+    "fsdp2": _common + [_kl, _lora, _keyed, _keyed_static, _packed, _packed_ckpt],
 }
 CASES = [(backend, spec["name"], want) for backend in BACKENDS for spec, want in SCENARIOS[backend]]
 COMPARED = ("reward", "reward_std", "kl", "entropy", "completions/mean_length", "clip_ratio/region_mean")
