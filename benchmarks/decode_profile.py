@@ -61,6 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--markdown_out", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--attn_implementation", default=None, help="the model's attention (default: transformers')")
+    p.add_argument("--window_slots", type=int, default=256,
+                   help="StaticDecode's window_slots: the cache slots a step reads (0: all)")
     p.add_argument("--transformers_attention", action="store_true",
                    help="decode through the model's own attention, not StaticDecode's grouped sdpa")
     p.add_argument("--kernels", type=int, default=0, metavar="N",
@@ -123,6 +125,7 @@ def profile_batch(args, model, batch: int, clock: Clock) -> dict[str, float]:
     from transformers import StaticCache
 
     from fusedalign.generation import StaticDecode
+    from fusedalign.generation.decode_attention import attending_to
     from fusedalign.generation.decode_state import (
         DecodeState,
         cache_keyword,
@@ -185,11 +188,15 @@ def profile_batch(args, model, batch: int, clock: Clock) -> dict[str, float]:
             state.position.fill_(context)
 
         times = {}
-        for name, fn in zip(PARTS, (forward, to_float, processors, draw, bookkeeping)):
-            times[name] = clock.graph_ms(fn)
-        times["step, one graph"] = clock.graph_ms(whole)
-        times["step, eager"] = clock.eager_ms(whole)
-        kernels = top_kernels(forward, args.kernels) if args.kernels and device.type == "cuda" else []
+        # The cache slots StaticDecode's graph would read at this context (`window_slots`).
+        window = StaticDecode(max_new_tokens=1, eos_token_id=0, pad_token_id=0,
+                              window_slots=args.window_slots)._window(context + 1, context + args.new_tokens)
+        with attending_to(window):
+            for name, fn in zip(PARTS, (forward, to_float, processors, draw, bookkeeping)):
+                times[name] = clock.graph_ms(fn)
+            times["step, one graph"] = clock.graph_ms(whole)
+            times["step, eager"] = clock.eager_ms(whole)
+            kernels = top_kernels(forward, args.kernels) if args.kernels and device.type == "cuda" else []
     del cache
     return times, kernels
 

@@ -54,10 +54,15 @@ from .decode_state import (
     write_back,
 )
 from . import sampling_head as sampling
-from .decode_attention import GROUPED, decoding_attention, decoding_implementation
+from .decode_attention import GROUPED, attending_to, decoding_attention, decoding_implementation
 from .keyed import KeyedSampler
 
 MASK_IMPLEMENTATIONS = (GROUPED, "sdpa", "eager")
+
+
+def graphs_possible(device: torch.device) -> bool:
+    """Whether the decoding step can be captured as a CUDA graph on `device`."""
+    return device.type == "cuda"
 
 
 class StaticDecode:
@@ -77,13 +82,18 @@ class StaticDecode:
         fused_sampling: draw each token inside the head's forward, chunk by chunk over the
             vocabulary (`generation/sampling_head.py`), instead of from the [B, V] logits; used
             where it can be (no top-k, top-p or min-p; a linear or LoRA head), else the logits path.
+        window_slots: a step's attention reads only the KV-cache slots written so far (the rest
+            are masked; `decode_attention.attending_to`): eager steps exactly those, a CUDA graph
+            those up to the next multiple of this, captured again when the tokens outgrow it
+            (0: every graph reads the whole cache). Attention implementations other than the
+            grouped sdpa read the whole cache.
     """
 
     def __init__(self, *, max_new_tokens: int, eos_token_id: int | Sequence[int], pad_token_id: int,
                  bos_token_id: int | None = None, do_sample: bool = True, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = 0, min_p: float | None = None, repetition_penalty: float = 1.0,
                  sampler: KeyedSampler | None = None, cuda_graphs: bool = True, check_every: int = 16,
-                 compact_below: float = 0.5, fused_sampling: bool = False):
+                 compact_below: float = 0.5, fused_sampling: bool = False, window_slots: int = 256):
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         self.max_new_tokens = max_new_tokens
@@ -95,6 +105,7 @@ class StaticDecode:
                                top_k=top_k if do_sample else 0, top_p=top_p if do_sample else 1.0,
                                min_p=min_p if do_sample else None)
         self.cuda_graphs = cuda_graphs
+        self.window_slots = window_slots
         self.check_every = max(1, check_every)
         if not 0 <= compact_below < 1:
             raise ValueError(f"compact_below must be in [0, 1), got {compact_below}")
@@ -187,16 +198,23 @@ class StaticDecode:
             forward_and_draw(input_ids=state.token, attention_mask=state.open_slot(), position_ids=state.position)
 
         remaining = self.max_new_tokens - 1
-        use_graphs = self.cuda_graphs and device.type == "cuda" and self.sampler is None
-        graph, done, graphs, sizes = None, 0, 0, [B]
+        use_graphs = self.cuda_graphs and graphs_possible(device) and self.sampler is None
+        graph, done, graphs, sizes, window = None, 0, 0, [B], L
         while done < remaining:
+            written = P + done + 1  # the cache slots this step attends to: the prompt's, the tokens', its own
+            if graph is not None and written > window:
+                del graph  # captured for fewer slots than this step needs
+                graph = None
             if use_graphs and graph is None and remaining - done > 1:
-                graph = capture_step(decode_step, device)  # its warm-up is a real step, eager
+                window = self._window(written, L)
+                with attending_to(window):
+                    graph = capture_step(decode_step, device)  # its warm-up is a real step, eager
                 graphs += 1
             elif graph is not None:
                 graph.replay()
             else:
-                decode_step()
+                with attending_to(written):
+                    decode_step()
             done += 1
             if done % self.check_every:
                 continue
@@ -229,6 +247,13 @@ class StaticDecode:
             temperature=self.sampler.temperature if keyed else self.processing["temperature"],
             do_sample=self.do_sample, seen=state.seen, sampler=self.sampler,
             position=int(state.index) if keyed else 0)  # keyed: eager, a host read per token
+
+    def _window(self, written: int, L: int) -> int:
+        """The cache slots a graph captured when `written` are in use attends to: up to the next
+        multiple of `window_slots` (all `L` when 0)."""
+        if self.window_slots <= 0:
+            return L
+        return min(L, -(-written // self.window_slots) * self.window_slots)
 
     def _compacts(self, left: int, rows: int, cache: Any) -> bool:
         """Whether to gather the `left` live rows of `rows` into a batch of their own now."""

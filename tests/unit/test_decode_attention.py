@@ -12,6 +12,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from fusedalign.generation import HFGenerate, StaticDecode
 from fusedalign.generation.decode_attention import (
     GROUPED,
+    attending_to,
     decoding_attention,
     decoding_implementation,
     grouped_sdpa_forward,
@@ -104,3 +105,35 @@ def test_the_loop_decodes_as_generate_on_sdpa_and_flex_models(attn):
     want = HFGenerate(**kw).generate(reference, prompts, keys)
     assert got.completion_ids == want.completion_ids
     assert any(len(c) > 3 for c in got.completion_ids)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(6, 2), (4, 4)])
+def test_reading_only_the_written_slots_changes_nothing(heads, kv_heads):
+    """Inside `attending_to(n)` a one-token step reads the first n slots; with the slots after
+    masked (as StaticDecode's mask has them) the output is the same, for grouped and plain heads."""
+    g = torch.Generator().manual_seed(7)
+    B, L, d, n = 2, 12, 8, 7
+    query = torch.randn(B, heads, 1, d, generator=g, dtype=torch.float64)
+    key, value = (torch.randn(B, kv_heads, L, d, generator=g, dtype=torch.float64) for _ in range(2))
+    visible = torch.zeros(B, 1, 1, L, dtype=torch.bool)
+    visible[..., 2:n] = True
+    module = _Module(heads // kv_heads)
+    whole, _ = grouped_sdpa_forward(module, query, key, value, visible, scaling=0.4)
+    with attending_to(n):
+        part, _ = grouped_sdpa_forward(module, query, key, value, visible, scaling=0.4)
+        several, _ = grouped_sdpa_forward(module, query.expand(B, heads, 3, d), key, value,
+                                          visible.expand(B, 1, 3, L), scaling=0.4)
+    torch.testing.assert_close(part, whole, rtol=1e-12, atol=1e-12)
+    assert several.shape == (B, 3, heads, d)  # several query positions: the whole cache, as transformers'
+    # It reads only those slots: what lies after them does not reach the output, even unmasked.
+    key[..., n:, :] = float("nan")
+    value[..., n:, :] = float("nan")
+    with attending_to(n):
+        part, _ = grouped_sdpa_forward(module, query, key, value, visible, scaling=0.4)
+    torch.testing.assert_close(part, whole, rtol=1e-12, atol=1e-12)
+
+
+def test_a_graphs_window_rounds_up_to_its_step_and_stops_at_the_cache():
+    decode = StaticDecode(max_new_tokens=4, eos_token_id=0, pad_token_id=0, window_slots=64)
+    assert [decode._window(w, 300) for w in (1, 64, 65, 250, 257)] == [64, 64, 128, 256, 300]
+    assert StaticDecode(max_new_tokens=4, eos_token_id=0, pad_token_id=0, window_slots=0)._window(5, 300) == 300

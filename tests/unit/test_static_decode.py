@@ -218,18 +218,21 @@ def _cuda_model(dtype=torch.float32):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("penalty", [1.0, 1.3])
-def test_cuda_graph_decoding_equals_eager_and_generate(penalty):
+@pytest.mark.parametrize("penalty,window", [(1.0, 256), (1.3, 256), (1.0, 16)])
+def test_cuda_graph_decoding_equals_eager_and_generate(penalty, window):
     """Greedy tokens from the graph replays equal the eager loop's and generate's; the graph is
-    captured anew per call, so weights changed in place between calls are seen."""
+    captured anew per call, so weights changed in place between calls are seen. With a window
+    of 16 cache slots the graph is captured again as the tokens outgrow each window."""
     tok = load_tokenizer("builtin:tiny-qwen2")
     model = _cuda_model()
     prompts, keys = _prompts(), _keys(len(PROMPT_LENGTHS))
     kw = dict(max_new_tokens=40, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, do_sample=False,
               repetition_penalty=penalty)
-    graphed, eager = StaticDecode(**kw), StaticDecode(**kw, cuda_graphs=False)
+    graphed, eager = StaticDecode(**kw, window_slots=window, compact_below=0), StaticDecode(**kw, cuda_graphs=False)
     before = graphed.generate(model, prompts, keys).completion_ids
     assert graphed.last_call["graph"] is True
+    # 9-token prompts, 39 decoding steps writing slots 9 to 47: windows of 16, 32 and 48 slots
+    assert graphed.last_call["graphs"] == (3 if window == 16 else 1), graphed.last_call
     assert before == eager.generate(model, prompts, keys).completion_ids
     assert before == HFGenerate(**kw).generate(model, prompts, keys).completion_ids
     with torch.no_grad():  # what an optimizer step does: new values in the same storage
@@ -314,3 +317,38 @@ def test_a_float32_model_under_bf16_autocast_decodes_as_generate(monkeypatch):
         got = decode.generate(model, prompts, keys)
     assert decode.last_call["path"] == "static"
     assert got.completion_ids == want.completion_ids and got.truncated == want.truncated
+
+
+@pytest.mark.parametrize("window", [4, 5, 16, 0])
+def test_graph_windows_cover_every_slot_a_step_attends_to(monkeypatch, window):
+    """The loop's graph bookkeeping on the CPU: a stand-in for CUDA graphs replays the step with
+    the window it was captured with, as a graph would. Had a window been too small for a step,
+    the step would not see its last tokens and the greedy tokens would differ from generate's."""
+    from fusedalign.generation import decode_attention, static
+
+    captured = []
+
+    class Graph:
+        def __init__(self, step):
+            self.step, self.slots = step, decode_attention._SLOTS[0]
+
+        def replay(self):
+            with decode_attention.attending_to(self.slots):
+                self.step()
+
+    def capture(step, device):
+        step()  # the warm-up is a real step
+        captured.append(decode_attention._SLOTS[0])
+        return Graph(step)
+
+    monkeypatch.setattr(static, "graphs_possible", lambda device: True)
+    monkeypatch.setattr(static, "capture_step", capture)
+    model, tok = load_model("builtin:tiny-qwen2", attn_implementation="sdpa").eval(), load_tokenizer("builtin:tiny-qwen2")
+    prompts, keys = _prompts(), _keys(len(PROMPT_LENGTHS))
+    kw = dict(max_new_tokens=14, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, do_sample=False)
+    decode = StaticDecode(**kw, window_slots=window, compact_below=0)
+    got = decode.generate(model, prompts, keys)
+    assert got.completion_ids == HFGenerate(**kw).generate(model, prompts, keys).completion_ids
+    # 9-token prompts, 13 decoding steps writing slots 9 to 21 of a 23-slot cache
+    want = {4: [12, 16, 20, 23], 5: [10, 15, 20, 23], 16: [16, 23], 0: [23]}[window]
+    assert captured == want and decode.last_call["graphs"] == len(want)
