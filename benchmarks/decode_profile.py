@@ -258,7 +258,8 @@ def main(argv=None) -> int:
             shutil.rmtree(args.model_dir, ignore_errors=True)
     flags = ", ".join(f"{k} {getattr(args, k)}" for k in ("temperature", "top_k", "top_p", "min_p",
                                                           "repetition_penalty"))
-    title = (f"### one StaticDecode token, by part ({gpu}; {attention} attention; context {args.prompt_length} + {args.new_tokens // 2}; "
+    title = (f"### one StaticDecode token, by part ({gpu}; {attention} attention, window_slots {args.window_slots}; "
+             f"context {args.prompt_length} + {args.new_tokens // 2}; "
              f"{flags}; {'CUDA graph replays' if device.type == 'cuda' else 'eager, wall clock'}, mean of "
              f"{args.repeats})")
     text = title + "\n\n" + markdown(["batch", "part", "ms", "of the step"], rows, numeric={0, 2, 3})

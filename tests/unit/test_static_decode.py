@@ -343,7 +343,8 @@ def test_graph_windows_cover_every_slot_a_step_attends_to(monkeypatch, window):
 
     monkeypatch.setattr(static, "graphs_possible", lambda device: True)
     monkeypatch.setattr(static, "capture_step", capture)
-    model, tok = load_model("builtin:tiny-qwen2", attn_implementation="sdpa").eval(), load_tokenizer("builtin:tiny-qwen2")
+    model = load_model("builtin:tiny-qwen2", attn_implementation="sdpa").eval()
+    tok = load_tokenizer("builtin:tiny-qwen2")
     prompts, keys = _prompts(), _keys(len(PROMPT_LENGTHS))
     kw = dict(max_new_tokens=14, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, do_sample=False)
     decode = StaticDecode(**kw, window_slots=window, compact_below=0)
