@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -40,11 +39,9 @@ if __package__ in (None, ""):
 
 from benchmarks.builders import distill, ending  # noqa: E402
 from benchmarks.builders.model import build_model, model_config  # noqa: E402
-from benchmarks.harness import agreement, runner  # noqa: E402
+from benchmarks.harness import agreement, rollout  # noqa: E402
 from benchmarks.harness.env import gpu_info, log, versions, versions_line  # noqa: E402
 from benchmarks.harness.tables import fmt, markdown, ratio, write_markdown  # noqa: E402
-from benchmarks.harness.timing import (GenerationSplit, Timers, device_sync, steady, step_timer,  # noqa: E402
-                                       time_from_batch_fetch)
 
 # Passed on to each worker as --KEY VALUE.
 FORWARDED = ("device", "per_device_train_batch_size", "gradient_accumulation_steps", "new_tokens", "prompt_length",
@@ -114,39 +111,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def run_worker(args) -> int:
-    import torch
-    from transformers import set_seed
-
     from fusedalign.models import load_tokenizer
 
-    run, cuda = distill.RUNS[args.worker], args.device == "cuda"
-    timers = Timers(device_sync(cuda))
-    peak = (lambda: torch.cuda.max_memory_allocated() / 2**30) if cuda else (lambda: None)
-    with runner.worker_result(args.result, peak) as result:
-        result.update(config=run.name)
-        set_seed(args.seed)
-        split = GenerationSplit(timers)
-        callback = step_timer(timers.sync, [split])
-        output_dir = os.path.join(os.path.dirname(os.path.abspath(args.result)), f"out-{run.name}")
-        with timers("init"):
-            trainer = distill.build(run, args, output_dir, distill.prompt_rows(args, model_config(args.tiny).vocab_size),
-                                    load_tokenizer("builtin:tiny-qwen2"), callback, timers)
-            if args.fit is not None:  # on the module whose forward both trainers' generators call
-                ending.end_at_lengths(trainer.model, args.fit, trainer.processing_class.eos_token_id, args.new_tokens)
-        time_from_batch_fetch(trainer, callback)
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        trainer.train()
-        stats = steady(callback.begin, callback.end, args.warmup_steps, args.timed_steps)
-        timed = slice(args.warmup_steps, args.total_steps)
-        shares = [g / s for g, s in zip(split.per_step[timed], stats["step_times"])]
-        lengths = [e["completions/mean_length"] for e in callback.logs[timed] if "completions/mean_length" in e]
-        result.update(stats, status="ok", peak_gib=peak(), logs=callback.logs, init_s=timers.get("init"),
-                      completions_per_s=distill.prompts_per_step(args) / stats["median_step_s"],
-                      generation_share=statistics.median(shares) if shares and any(shares) else None,
-                      mean_completion_length=statistics.mean(lengths) if lengths else None)
-    log(json.dumps({k: v for k, v in result.items() if k not in ("logs", "step_times")}))
-    return 0 if result["status"] in ("ok", "OOM") else 1
+    run = distill.RUNS[args.worker]
+
+    def build(callback, timers):
+        return distill.build(run, args, rollout.worker_dir(args, run.name),
+                             distill.prompt_rows(args, model_config(args.tiny).vocab_size),
+                             load_tokenizer("builtin:tiny-qwen2"), callback, timers)
+
+    return rollout.run_worker(args, run.name, build, distill.prompts_per_step(args))
 
 
 def table(args, results: dict) -> str:
@@ -213,23 +187,10 @@ def main(argv=None) -> int:
     skipped = distill.availability()
     args.log_dir = os.path.abspath(args.log_dir or tempfile.mkdtemp(prefix="e2e_distill-"))
     os.makedirs(args.log_dir, exist_ok=True)
-    results = {}
     made = build_models(args)
+    flags = rollout.forwarded(args, FORWARDED, ("gradient_checkpointing", "tiny"))
     try:
-        for name in args.configs:
-            if skipped[name]:
-                log(f"{name}: skipped: {skipped[name]}")
-                results[name] = {"status": "skipped", "reason": f"skipped: {skipped[name]}"}
-                continue
-            argv = [sys.executable, "-u", os.path.abspath(__file__), "--worker", name]
-            for key in FORWARDED:
-                argv += [f"--{key}", str(getattr(args, key))]
-            argv += ["--gradient_checkpointing"] if args.gradient_checkpointing else []
-            argv += ["--tiny"] if args.tiny else []
-            log(f"{name}: running ...")
-            results[name] = runner.launch(argv, f"distill-{name}", log_dir=args.log_dir, device=args.device,
-                                          timeout=args.worker_timeout)
-            write_markdown(args, [table(args, results)])
+        results = rollout.launch_all(args, __file__, "distill", skipped, flags, table)
     finally:
         for path in made:
             shutil.rmtree(path, ignore_errors=True)

@@ -36,11 +36,9 @@ if __package__ in (None, ""):
 from benchmarks import grpo_longest  # noqa: E402
 from benchmarks.builders import ending, grpo  # noqa: E402
 from benchmarks.builders.model import build_model, model_config  # noqa: E402
-from benchmarks.harness import runner  # noqa: E402
+from benchmarks.harness import rollout  # noqa: E402
 from benchmarks.harness.env import gpu_info, log, versions, versions_line  # noqa: E402
 from benchmarks.harness.tables import fmt, markdown, ratio, write_markdown  # noqa: E402
-from benchmarks.harness.timing import (GenerationSplit, Timers, device_sync, steady, step_timer,  # noqa: E402
-                                       time_from_batch_fetch)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -148,45 +146,22 @@ def tokens_per_unique(args, backbone: BackboneTokens, logs: list[dict]) -> float
 
 
 def run_worker(args) -> int:
-    import torch
-    from transformers import set_seed
-
     from fusedalign.models import load_tokenizer
 
-    run, cuda = grpo.RUNS[args.worker], args.device == "cuda"
-    timers = Timers(device_sync(cuda))
-    peak = (lambda: torch.cuda.max_memory_allocated() / 2**30) if cuda else (lambda: None)
-    with runner.worker_result(args.result, peak) as result:
-        result.update(config=run.name)
-        set_seed(args.seed)
-        vocab = model_config(args.tiny).vocab_size
-        split = GenerationSplit(timers)
-        callback = step_timer(timers.sync, [split])
-        output_dir = os.path.join(os.path.dirname(os.path.abspath(args.result)), f"out-{run.name}")
-        with timers("init"):
-            trainer = grpo.build(run, args, output_dir, grpo.prompt_rows(args, vocab),
-                                 load_tokenizer("builtin:tiny-qwen2"), callback, timers, vocab)
-            backbone = BackboneTokens()
-            trainer.model.register_forward_pre_hook(backbone.count, with_kwargs=True)
-            callback.hooks.append(backbone)
-            if args.fit is not None:  # on the module whose forward both trainers' generators call
-                ending.end_at_lengths(trainer.model, args.fit, trainer.processing_class.eos_token_id, args.new_tokens)
-        time_from_batch_fetch(trainer, callback)
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        trainer.train()
-        stats = steady(callback.begin, callback.end, args.warmup_steps, args.timed_steps)
-        timed = slice(args.warmup_steps, args.total_steps)
-        shares = [g / s for g, s in zip(split.per_step[timed], stats["step_times"])] if split.per_step else []
-        lengths = [e["completions/mean_length"] for e in callback.logs if "completions/mean_length" in e]
-        completions = args.prompts * args.num_generations
-        result.update(stats, status="ok", peak_gib=peak(), logs=callback.logs,
-                      completions_per_s=completions / stats["median_step_s"],
-                      generation_share=statistics.median(shares) if shares and any(shares) else None,
-                      mean_completion_length=statistics.mean(lengths) if lengths else None,
-                      tokens_per_unique=tokens_per_unique(args, backbone, callback.logs))
-    log(json.dumps({k: v for k, v in result.items() if k not in ("logs", "step_times")}))
-    return 0 if result["status"] in ("ok", "OOM") else 1
+    run = grpo.RUNS[args.worker]
+    vocab = model_config(args.tiny).vocab_size
+
+    def build(callback, timers):
+        return grpo.build(run, args, rollout.worker_dir(args, run.name), grpo.prompt_rows(args, vocab),
+                          load_tokenizer("builtin:tiny-qwen2"), callback, timers, vocab)
+
+    def instrument(trainer, callback):
+        backbone = BackboneTokens()
+        trainer.model.register_forward_pre_hook(backbone.count, with_kwargs=True)
+        callback.hooks.append(backbone)
+        return lambda: {"tokens_per_unique": tokens_per_unique(args, backbone, callback.logs)}
+
+    return rollout.run_worker(args, run.name, build, args.prompts * args.num_generations, instrument)
 
 
 def table(args, results: dict) -> str:
@@ -227,7 +202,6 @@ def main(argv=None) -> int:
     if own_model:
         args.model_dir = tempfile.mkdtemp(prefix="e2e_grpo-model-")
         log("model: " + build_model(args.model_dir, tiny=args.tiny, dtype=args.dtype, seed=args.seed))
-    results = {}
     if args.longest_search:
         try:
             found, text = grpo_longest.search(args, skipped)
@@ -239,26 +213,13 @@ def main(argv=None) -> int:
             json.dump({"versions": versions(), "argv": sys.argv, "results": found}, f, indent=1, default=str)
         write_markdown(args, [text])
         return 0
+    flags = rollout.forwarded(args, ("device", "prompts", "num_generations", "new_tokens", "prompt_length",
+                                     "per_device_train_batch_size", "warmup_steps", "timed_steps", "learning_rate",
+                                     "beta", "loss_type", "dtype", "seed", "model_dir", "completion_lengths",
+                                     "max_tokens_per_batch"),
+                              ("gradient_checkpointing", "random_completions", "tiny"))
     try:
-        for name in args.configs:
-            if skipped[name]:
-                log(f"{name}: skipped: {skipped[name]}")
-                results[name] = {"status": "skipped", "reason": f"skipped: {skipped[name]}"}
-                continue
-            argv = [sys.executable, "-u", os.path.abspath(__file__), "--worker", name]
-            for key in ("device", "prompts", "num_generations", "new_tokens", "prompt_length",
-                        "per_device_train_batch_size", "warmup_steps", "timed_steps", "learning_rate", "beta",
-                        "loss_type", "dtype", "seed", "model_dir", "completion_lengths"):
-                argv += [f"--{key}", str(getattr(args, key))]
-            if args.max_tokens_per_batch is not None:
-                argv += ["--max_tokens_per_batch", str(args.max_tokens_per_batch)]
-            argv += [flag for flag, on in (("--gradient_checkpointing", args.gradient_checkpointing),
-                                           ("--random_completions", args.random_completions)) if on]
-            argv += ["--tiny"] if args.tiny else []
-            log(f"{name}: running ...")
-            results[name] = runner.launch(argv, f"grpo-{name}", log_dir=args.log_dir, device=args.device,
-                                          timeout=args.worker_timeout)
-            write_markdown(args, [table(args, results)])
+        results = rollout.launch_all(args, __file__, "grpo", skipped, flags, table)
     finally:
         if own_model:
             shutil.rmtree(args.model_dir, ignore_errors=True)

@@ -1,0 +1,93 @@
+"""What the on-policy benchmarks (e2e_grpo.py, e2e_distill.py) share: one configuration's
+worker, which trains and times the steps, and the launch of each configuration in a
+subprocess of its own."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+from typing import Any, Callable
+
+from benchmarks.builders import ending
+from benchmarks.harness import runner
+from benchmarks.harness.env import log
+from benchmarks.harness.tables import write_markdown
+from benchmarks.harness.timing import (GenerationSplit, Timers, device_sync, steady, step_timer,
+                                       time_from_batch_fetch)
+
+
+def run_worker(args, name: str, build: Callable[[Any, Timers], Any], completions_per_step: int,
+               instrument: Callable[[Any, Any], Callable[[], dict]] | None = None) -> int:
+    """Trains configuration `name` and writes its result to `args.result`.
+
+    Args:
+        build: (callback, timers) -> the trainer, which calls `timers("generation")` around
+            each generation and takes `callback`.
+        completions_per_step: for completions/s.
+        instrument: (trainer, callback) -> a function giving more result fields after
+            training (called once the trainer is built).
+    """
+    import torch
+    from transformers import set_seed
+
+    cuda = args.device == "cuda"
+    timers = Timers(device_sync(cuda))
+    peak = (lambda: torch.cuda.max_memory_allocated() / 2**30) if cuda else (lambda: None)
+    with runner.worker_result(args.result, peak) as result:
+        result.update(config=name)
+        set_seed(args.seed)
+        split = GenerationSplit(timers)
+        callback = step_timer(timers.sync, [split])
+        with timers("init"):
+            trainer = build(callback, timers)
+            more = instrument(trainer, callback) if instrument is not None else dict
+            if args.fit is not None:  # on the module whose forward both trainers' generators call
+                ending.end_at_lengths(trainer.model, args.fit, trainer.processing_class.eos_token_id, args.new_tokens)
+        time_from_batch_fetch(trainer, callback)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        trainer.train()
+        stats = steady(callback.begin, callback.end, args.warmup_steps, args.timed_steps)
+        timed = slice(args.warmup_steps, args.total_steps)
+        shares = [g / s for g, s in zip(split.per_step[timed], stats["step_times"])]
+        lengths = [e["completions/mean_length"] for e in callback.logs[timed] if "completions/mean_length" in e]
+        result.update(stats, status="ok", peak_gib=peak(), logs=callback.logs, init_s=timers.get("init"),
+                      completions_per_s=completions_per_step / stats["median_step_s"],
+                      generation_share=statistics.median(shares) if shares and any(shares) else None,
+                      mean_completion_length=statistics.mean(lengths) if lengths else None, **more())
+    log(json.dumps({k: v for k, v in result.items() if k not in ("logs", "step_times")}))
+    return 0 if result["status"] in ("ok", "OOM") else 1
+
+
+def worker_dir(args, name: str) -> str:
+    """The output directory of configuration `name`'s trainer, beside its result file."""
+    return os.path.join(os.path.dirname(os.path.abspath(args.result)), f"out-{name}")
+
+
+def launch_all(args, script: str, tag: str, skipped: dict[str, str | None], worker_flags: list[str],
+               table: Callable[[Any, dict], str]) -> dict[str, dict]:
+    """Runs `script --worker NAME *worker_flags` for each of `args.configs` not `skipped`, one
+    subprocess each, rewriting the markdown table after each; returns the results by name."""
+    results: dict[str, dict] = {}
+    for name in args.configs:
+        if skipped[name]:
+            log(f"{name}: skipped: {skipped[name]}")
+            results[name] = {"status": "skipped", "reason": f"skipped: {skipped[name]}"}
+            continue
+        log(f"{name}: running ...")
+        argv = [sys.executable, "-u", os.path.abspath(script), "--worker", name] + worker_flags
+        results[name] = runner.launch(argv, f"{tag}-{name}", log_dir=args.log_dir, device=args.device,
+                                      timeout=args.worker_timeout)
+        write_markdown(args, [table(args, results)])
+    return results
+
+
+def forwarded(args, keys: tuple[str, ...], switches: tuple[str, ...] = ()) -> list[str]:
+    """`--KEY VALUE` for each of `keys` that is set, and `--SWITCH` for each switch that is on."""
+    flags = []
+    for key in keys:
+        if getattr(args, key) is not None:
+            flags += [f"--{key}", str(getattr(args, key))]
+    return flags + [f"--{s}" for s in switches if getattr(args, s)]
