@@ -214,9 +214,10 @@ def run(spec: dict, out_root: str) -> None:
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo
     from tests.head_calls import HeadCalls
+    from tests.micro_batches import record_micro_batches
 
     graphs_before = counters["stats"]["unique_graphs"]
-    batch_types = _record_batch_types(trainer)
+    micro_batches = record_micro_batches(trainer)
     head = HeadCalls().start()
     resume = os.path.join(out_dir, f"checkpoint-{spec['resume_at']}") if spec.get("resume_at") else None
     trainer.train(resume_from_checkpoint=resume)
@@ -244,25 +245,12 @@ def run(spec: dict, out_root: str) -> None:
         "generator": type(getattr(trainer, "generator", None)).__name__,
         "generator_last_call": getattr(getattr(trainer, "generator", None), "last_call", None),
         # The types of the prepared micro-batches the loss read (padded or packed rows), on this rank.
-        "batch_types": sorted(batch_types),
+        "batch_types": sorted({type(batch).__name__ for batch in micro_batches}),
     }
     if spec.get("evaluate"):
         metrics = trainer.evaluate()
         result["eval"] = {k: v for k, v in metrics.items() if isinstance(v, float) and "runtime" not in k and "per_second" not in k}
     save_result(trainer, out_dir, result)
-
-
-def _record_batch_types(trainer) -> set[str]:
-    """Records the type name of every micro-batch the trainer's loss reads (a set, filled in training)."""
-    seen: set[str] = set()
-    inner = trainer.loss_and_metrics
-
-    def recording(model, inputs, mode):
-        seen.add(type(inputs).__name__)
-        return inner(model, inputs, mode)
-
-    trainer.loss_and_metrics = recording
-    return seen
 
 
 def save_result(trainer, out_dir: str, result: dict) -> None:

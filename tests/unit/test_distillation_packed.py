@@ -19,6 +19,7 @@ from fusedalign.models import load_model, load_tokenizer
 from fusedalign.trainers.distillation import DistillationTrainer
 from fusedalign.trainers.distillation_batch import DistillationBatch, PackedDistillationBatch
 from tests.grpo_replay import uneven_replay
+from tests.micro_batches import record_micro_batches
 
 MODEL, TEACHER = "builtin:tiny-qwen2", "builtin:tiny-zen-teacher"
 ROWS, T = 16, 0.9
@@ -58,14 +59,7 @@ def _train(tmp_path, prompts, replay, peft_config=None, **overrides):
     torch.manual_seed(0)
     trainer = DistillationTrainer(load_model(MODEL), TEACHER, args=_args(tmp_path, **overrides), train_dataset=prompts,
                                   generator=replay, peft_config=peft_config)
-    seen = []
-    inner = trainer.loss_and_metrics
-
-    def recording(model, inputs, mode):
-        seen.append(inputs)
-        return inner(model, inputs, mode)
-
-    trainer.loss_and_metrics = recording
+    seen = record_micro_batches(trainer)
     initial = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
     trainer.train()
     logs = [e for e in trainer.state.log_history if "loss" in e]

@@ -21,6 +21,7 @@ from fusedalign.trainers.grpo import GRPOTrainer
 from fusedalign.trainers.grpo_packed_batch import PackedGRPOMicroBatch
 from fusedalign.trainers.rloo import RLOOTrainer
 from tests.grpo_replay import token_sum_reward, uneven_replay
+from tests.micro_batches import record_micro_batches
 
 MODEL = "builtin:tiny-qwen2"
 ROWS, G = 16, 4
@@ -61,14 +62,7 @@ def _train(tmp_path, prompts, replay, trainer_cls=GRPOTrainer, config_cls=GRPOCo
     torch.manual_seed(0)
     trainer = trainer_cls(load_model(MODEL), reward_funcs=token_sum_reward, args=config_cls(**values),
                           train_dataset=prompts, generator=replay)
-    seen = []  # per micro-batch: the batch and its advantages
-    inner = trainer.loss_and_metrics
-
-    def recording(model, inputs, mode):
-        seen.append(inputs)
-        return inner(model, inputs, mode)
-
-    trainer.loss_and_metrics = recording
+    seen = record_micro_batches(trainer)  # per micro-batch: the batch and its advantages
     trainer.train()
     logs = [e for e in trainer.state.log_history if "loss" in e]
     return logs, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, seen

@@ -35,6 +35,7 @@ from fusedalign.trainers.grpo_packed_batch import PackedGRPOMicroBatch
 from fusedalign.trainers.rloo import RLOOTrainer
 from tests.bf16_parity import assert_within, no_tf32, save_shaped_model
 from tests.grpo_replay import token_sum_reward, uneven_replay
+from tests.micro_batches import record_micro_batches
 
 COMPARED = ("loss", "kl", "entropy")
 TRAINERS = {"grpo": (GRPOTrainer, GRPOConfig), "rloo": (RLOOTrainer, RLOOConfig)}
@@ -74,14 +75,7 @@ def _train(shape: Shape, trainer: str, device: str, dtype: torch.dtype, out, pro
     torch.manual_seed(0)
     model = load_model(shape.model)  # float32 weights; bf16 computes under autocast
     run = trainer_cls(model, reward_funcs=token_sum_reward, args=args, train_dataset=prompts, generator=replay)
-    seen = []
-    inner = run.loss_and_metrics
-
-    def recording(model, inputs, mode):
-        seen.append(inputs)
-        return inner(model, inputs, mode)
-
-    run.loss_and_metrics = recording
+    seen = record_micro_batches(run)
     before = torch.cat([p.detach().float().flatten().cpu() for p in run.model.parameters()])
     run.train()
     delta = torch.cat([p.detach().float().flatten().cpu() for p in run.model.parameters()]) - before
