@@ -29,19 +29,29 @@ def process_logits(z: Tensor, seen: Tensor | None, *, repetition_penalty: float 
     Returns:
         [B, V] float32 scores; filtered tokens hold the dtype's minimum.
     """
-    if repetition_penalty != 1.0:
-        z = torch.where(seen, torch.where(z < 0, z * repetition_penalty, z / repetition_penalty), z)
-    return filter_logits(z / temperature, top_k, top_p, min_p)
+    return filter_logits(penalised(z, seen, repetition_penalty) / temperature, top_k, top_p, min_p)
 
 
-def gumbel_max(scores: Tensor) -> Tensor:
-    """[B] tokens drawn from softmax(scores [B, V]) as argmax(scores + Gumbel noise).
+def penalised(z: Tensor, seen: Tensor | None, repetition_penalty: float) -> Tensor:
+    """transformers' repetition penalty: the logits of tokens `seen` [B, V'] divided by the
+    penalty where positive, multiplied where negative (z [B, V'] unchanged when it is 1)."""
+    if repetition_penalty == 1.0:
+        return z
+    return torch.where(seen, torch.where(z < 0, z * repetition_penalty, z / repetition_penalty), z)
+
+
+def gumbel_scores(scores: Tensor) -> Tensor:
+    """scores + Gumbel noise, whose argmax is a draw from softmax(scores).
 
     `torch.rand` draws from the device's default generator, which CUDA graphs replay with a
     new offset each time. A uniform draw of exactly 0 gives -inf noise (never chosen).
     """
-    u = torch.rand_like(scores)
-    return (scores - torch.log(-torch.log(u))).argmax(-1)
+    return scores - torch.log(-torch.log(torch.rand_like(scores)))
+
+
+def gumbel_max(scores: Tensor) -> Tensor:
+    """[B] tokens drawn from softmax(scores [B, V]) as argmax(scores + Gumbel noise)."""
+    return gumbel_scores(scores).argmax(-1)
 
 
 class DecodeState:
@@ -109,9 +119,7 @@ class DecodeState:
         if d.sampler is not None:
             # transformers' repetition penalty first (the sampler is the last logits processor
             # under generate), then the sampler's own temperature and filters.
-            penalty = d.processing["repetition_penalty"]
-            if penalty != 1.0:
-                logits = process_logits(logits, self.seen, repetition_penalty=penalty)
+            logits = penalised(logits, self.seen, d.processing["repetition_penalty"])
             token, logps = d.sampler.draw(logits, int(self.index))  # eager only: a host read per token
         else:
             scores = process_logits(logits, self.seen, **d.processing)

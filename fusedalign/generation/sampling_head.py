@@ -40,6 +40,7 @@ from fusedalign.architectures import PostProcessing, post_processing_of
 from fusedalign.head import _head_module, _is_lora_layer, _lora_forward, _plain_forward, _replaced_forward
 from fusedalign.ops import LowRank
 
+from .decode_state import gumbel_scores, penalised
 from .keyed import KeyedSampler, gumbel_noise
 
 CHUNK_ELEMENTS = 1 << 22  # B x slice float32 scores per slice: 16 MiB, a share of a GPU's L2
@@ -100,14 +101,13 @@ class SamplingHead:
             if down is not None:
                 z = z + low_rank.scale * (down.to(z.dtype) @ low_rank.up[start:stop].to(z.dtype).T)
             z = self._post(z).float()  # as the loop's logits: float32 for the processors
-            if self.penalty != 1.0:
-                z = torch.where(self.seen[:, start:stop], torch.where(z < 0, z * self.penalty, z / self.penalty), z)
+            z = penalised(z, None if self.seen is None else self.seen[:, start:stop], self.penalty)
             z = z.to(acc) / self.temperature  # the keyed sampler divides in float64
             if keyed:
                 score = z + gumbel_noise(hashes, stop - start, start)
                 lse = torch.logaddexp(lse, z.logsumexp(-1))
             elif self.do_sample:
-                score = z - torch.log(-torch.log(torch.rand_like(z)))
+                score = gumbel_scores(z)
             else:
                 score = z
             top, where = score.max(-1)
