@@ -171,6 +171,7 @@ def grpo_loss(
 
 def _metrics(p: PolicyInputs, o: GRPOOptions, kl: Tensor | None, entropy: Tensor | None) -> GRPOLossMetrics:
     stats: dict = {}
+    sequence = o.importance_sampling_level == "sequence"  # the ratio p.coef is [B, 1], one per sequence
     if kl is not None:
         stats["kl"] = token_mean(kl, p.mask)
     if entropy is not None:
@@ -178,9 +179,10 @@ def _metrics(p: PolicyInputs, o: GRPOOptions, kl: Tensor | None, entropy: Tensor
     with torch.no_grad():
         if o.loss_type in CLIPPED:
             capped = capped_ratio(p.coef.detach(), o)
-            stats.update(clip_statistics(capped, p.advantages, p.mask, 1 - o.epsilon_low, 1 + o.eps_high))
+            stats.update(clip_statistics(capped, p.advantages, p.mask, 1 - o.epsilon_low, 1 + o.eps_high, sequence))
         elif o.loss_type == "cispo":
-            stats["cispo_clip_ratio"] = token_mean(((p.coef > o.eps_high) & (p.advantages > 0)).float(), p.mask)
+            stats["cispo_clip_ratio"] = token_mean(((p.coef > o.eps_high) & (p.advantages > 0)).float(), p.mask,
+                                                   sequence)
         elif o.loss_type == "vespo":
-            stats["vespo_phi_seq_mean"] = token_mean(vespo_weights(p, o), p.mask)
+            stats["vespo_phi_seq_mean"] = token_mean(vespo_weights(p, o), p.mask, per_sequence=True)
     return GRPOLossMetrics(**stats)

@@ -19,19 +19,22 @@ from torch import Tensor
 from fusedalign.metrics import Max, Mean, MetricSet, Min, Stat, Std
 
 
-def token_mean(x: Tensor, mask: Tensor) -> Mean:
-    """Mean over the masked tokens of `x` [B, T]; `x` [B, 1] (one value per sequence) counts each row once."""
+def token_mean(x: Tensor, mask: Tensor, per_sequence: bool = False) -> Mean:
+    """Mean over the masked tokens of `x` [B, T]; with `per_sequence`, `x` [B, 1] holds one value per
+    sequence and each row counts once. (Said, not read from the shape: a micro-batch whose longest
+    completion has one token has per-token values [B, 1] too.)"""
     x = x.detach().double()
-    if x.shape[-1] == 1:
+    if per_sequence:
         return Mean(x[:, 0], torch.ones_like(x[:, 0]))
     m = mask.double()
     return Mean((x * m).sum(-1), m.sum(-1))
 
 
-def sequence_means(x: Tensor, mask: Tensor) -> Tensor:
-    """[B] masked mean of `x` per sequence (NaN for a row with no token); `x` [B, 1] is taken as is."""
+def sequence_means(x: Tensor, mask: Tensor, per_sequence: bool = False) -> Tensor:
+    """[B] masked mean of `x` per sequence (NaN for a row with no token); with `per_sequence`, `x` [B, 1]
+    is taken as is."""
     x = x.detach().double()
-    if x.shape[-1] == 1:
+    if per_sequence:
         return x[:, 0]
     m = mask.double()
     return (x * m).sum(-1) / m.sum(-1)
@@ -56,11 +59,13 @@ class GRPOLossMetrics(MetricSet):
     vespo_phi_seq_mean: Mean | None = _optional("vespo/phi_seq_mean")
 
 
-def clip_statistics(capped: Tensor, advantages: Tensor, mask: Tensor, low: float, high: float) -> dict:
+def clip_statistics(capped: Tensor, advantages: Tensor, mask: Tensor, low: float, high: float,
+                    per_sequence: bool) -> dict:
     """TRL's clip ratios of the PPO-clip family, from the (delta-capped) ratio.
 
     Args:
-        capped: [B, T] or [B, 1], r after the two-sided cap (TRL tests the capped ratio).
+        capped: [B, T], or [B, 1] with `per_sequence` (a sequence-level ratio), r after the two-sided cap
+            (TRL tests the capped ratio).
         advantages: [B, 1].
         mask: [B, T].
         low, high: 1 - eps_low and 1 + eps_high.
@@ -68,11 +73,11 @@ def clip_statistics(capped: Tensor, advantages: Tensor, mask: Tensor, low: float
     low_clip = ((capped < low) & (advantages < 0)).float()
     high_clip = ((capped > high) & (advantages > 0)).float()
     region = torch.maximum(low_clip, high_clip)
-    low_seq, high_seq = sequence_means(low_clip, mask), sequence_means(high_clip, mask)
+    low_seq, high_seq = sequence_means(low_clip, mask, per_sequence), sequence_means(high_clip, mask, per_sequence)
     return {
-        "low_mean": token_mean(low_clip, mask),
-        "high_mean": token_mean(high_clip, mask),
-        "region_mean": token_mean(region, mask),
+        "low_mean": token_mean(low_clip, mask, per_sequence),
+        "high_mean": token_mean(high_clip, mask, per_sequence),
+        "region_mean": token_mean(region, mask, per_sequence),
         # Rows with no token have no ratio: +inf / -inf mark "nothing here" (TRL: nanmin/nanmax).
         "low_min": Min(torch.nan_to_num(low_seq, nan=float("inf"))),
         "high_max": Max(torch.nan_to_num(high_seq, nan=float("-inf"))),

@@ -97,6 +97,6 @@ def rloo_loss(logps: Tensor, mask: Tensor, advantages: Tensor, *, old_logps: Ten
     high = epsilon if epsilon_high is None else epsilon_high
     adv = advantages.to(ratio.dtype)
     per_sequence = -torch.min(ratio * adv, ratio.clamp(1 - epsilon, 1 + high) * adv)
-    clip = clip_statistics(ratio.detach()[:, None], adv[:, None], mask, 1 - epsilon, 1 + high)
+    clip = clip_statistics(ratio.detach()[:, None], adv[:, None], mask, 1 - epsilon, 1 + high, per_sequence=True)
     metrics = GRPOLossMetrics(entropy=None if entropy is None else token_mean(entropy, mask), **clip)
     return RLOOLossOutput(per_sequence.sum(), torch.tensor(float(mask.shape[0]), device=mask.device), metrics)

@@ -451,3 +451,49 @@ def test_generator_importance_weight_multiplies_the_policy_term_not_the_kl():
         phis.append(math.exp(lam + k * log_w - lam * math.exp(log_w)))
     want = sum(-phis[i] * float(adv[i]) * float((lp[i] * mask[i]).sum()) for i in range(lp.shape[0])) / float(mask.sum())
     assert float(out.loss_sum / out.items) == pytest.approx(want, rel=1e-10)
+
+
+def _pooled(metric_sets) -> dict[str, float]:
+    """The logged value of each statistic over several micro-batches' metrics (as the recorder pools them)."""
+    pooled: dict[str, list] = {}
+    for metrics in metric_sets:
+        for name, stat in metrics.stats():
+            kind = type(stat).__name__
+            if kind == "Mean":
+                s, c = pooled.setdefault(name, [0.0, 0.0])
+                pooled[name] = [s + float(stat.sum.sum()), c + float(stat.count.sum())]
+            else:
+                pick = min if kind == "Min" else max
+                value = pick(stat.value.tolist())
+                pooled[name] = [value if name not in pooled else pick(pooled[name][0], value)]
+    return {k: v[0] / v[1] if len(v) == 2 else v[0] for k, v in pooled.items()}
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("lt", GRPO_LOSS_TYPES)
+def test_metrics_do_not_depend_on_the_split(lt, level):
+    """Every row its own micro-batch, as wide as its completion: a one-token completion and an empty
+    one give micro-batches of width 1, whose per-token values are [B, 1] like a per-sequence value."""
+    g = torch.Generator().manual_seed(5)
+    lengths = [9, 2, 5, 0, 7, 1, 3, 1]
+    B, T = len(lengths), max(lengths)
+    mask = torch.zeros(B, T, dtype=torch.float64)
+    for i, n in enumerate(lengths):
+        mask[i, :n] = 1
+    lp = -torch.rand(B, T, generator=g, dtype=torch.float64) * mask
+    old = (lp + 0.3 * (torch.rand(B, T, generator=g, dtype=torch.float64) - 0.5)) * mask
+    ref = (old + 0.2 * (torch.rand(B, T, generator=g, dtype=torch.float64) - 0.5)) * mask
+    ent = torch.rand(B, T, generator=g, dtype=torch.float64) * mask
+    adv = torch.randn(B, generator=g, dtype=torch.float64)
+    o = GRPOOptions(loss_type=lt, beta=0.04, epsilon_high=0.28, importance_sampling_level=level,
+                    max_completion_length=L_MAX)
+
+    def metrics(rows, width):
+        return grpo_loss(lp[rows, :width], mask[rows, :width], adv[rows], o, old_logps=old[rows, :width],
+                         ref_logps=ref[rows, :width], entropy=ent[rows, :width]).metrics
+
+    whole = _pooled([metrics(list(range(B)), T)])
+    split = _pooled([metrics([i], max(n, 1)) for i, n in enumerate(lengths)])
+    assert set(split) == set(whole) and "entropy" in whole
+    for name, value in whole.items():
+        assert split[name] == pytest.approx(value, rel=1e-12, abs=1e-12), name
