@@ -3,9 +3,8 @@
 A rank's generation window holds `per_device_train_batch_size x steps_per_generation`
 completions. Padded, they are shuffled (seeded) and cut into `steps_per_generation`
 micro-batches; the trainer runs `gradient_accumulation_steps` of them per optimizer step.
-The number of forwards per optimizer step is the Trainer's (one per dataloader item, the
-same on every rank, as ZeRO-3 and FSDP2 need), so packing never changes it: it changes
-only what each forward holds.
+The number of micro-batches per optimizer step is the Trainer's (one per dataloader item,
+the same on every rank), so packing never changes it: it changes only what each holds.
 
 What an optimizer step means is the set of completions it trains on. Every optimizer step
 boundary inside a window falls on a multiple of `gcd(steps_per_generation,
@@ -13,10 +12,16 @@ gradient_accumulation_steps)` micro-batches (a window starts at a multiple of
 `steps_per_generation`), so completions may move freely between the micro-batches of one
 such *chunk* and no step changes: `plan_micro_batches` regroups each chunk's completions by
 prompt (so that with `share_prompt` a group's completions share one copy of the prompt) and
-packs the groups into the chunk's rows, best-fit decreasing under `max_tokens_per_batch`,
-splitting the fullest row while there are fewer rows than forwards and balancing rows over
-the budget (with a warning) when there are more. Loss terms defined per micro-batch (bnpo's
-token mean, top_entropy_quantile's threshold) keep the padded micro-batches instead.
+packs the groups into rows, best-fit decreasing under `max_tokens_per_batch`. While the
+chunk's micro-batches are at least as many as its rows, each micro-batch is one row (the
+fullest rows split until there are as many). When the rows are more, each micro-batch holds
+k of them (k the fewest that hold the chunk's rows on the rank that has the most, so that
+every rank runs as many forwards, as DeepSpeed and FSDP2 need; the others split their rows
+further) and is trained as k forwards, each with its own backward
+(`trainers.step_batch.MicroBatchParts`): memory stays that of one row of the budget, however
+long the completions. Loss terms defined per micro-batch (bnpo's token mean,
+top_entropy_quantile's threshold) keep the padded micro-batches, one row each, instead (with
+a warning when one is over the budget).
 
 `pack_completions` lays one micro-batch out as a row (`data.packed_rows`): sequence i is
 the micro-batch's i-th completion, whatever its place in the row.
@@ -26,16 +31,16 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from .packed_rows import PackedRows, _Row, group_tokens
 from .packing import _bins
 
-OVER_BUDGET = ("max_tokens_per_batch: an optimizer step's completions need more rows of the budget than the step has "
-               "forwards (gradient_accumulation_steps); its rows are balanced over the budget. Raise "
-               "max_tokens_per_batch or gradient_accumulation_steps (with steps_per_generation).")
+OVER_BUDGET = ("max_tokens_per_batch: loss_type 'bnpo' and top_entropy_quantile < 1 define their loss per "
+               "micro-batch, which is then kept whole in one row, and a micro-batch here has more tokens than the "
+               "budget. Raise max_tokens_per_batch or lower per_device_train_batch_size.")
 
 
 def _parts(members: Sequence[int], groups: Sequence[int]) -> list[list[int]]:
@@ -48,8 +53,9 @@ def _parts(members: Sequence[int], groups: Sequence[int]) -> list[list[int]]:
 
 def plan_micro_batches(order: Sequence[int], micro: int, chunk: int, groups: Sequence[int], prompt_lengths: Sequence[int],
                        completion_lengths: Sequence[int], *, share_prompt: bool, budget: int | None,
-                       keep_membership: bool) -> list[list[int]]:
-    """The micro-batches of a window, as lists of its completions' indices (module docstring).
+                       keep_membership: bool,
+                       rows_needed: Callable[[list[int]], list[int]] | None = None) -> list[list[list[int]]]:
+    """The micro-batches of a window, each as its rows, each row a list of completion indices (module docstring).
 
     Args:
         order: the window's completions in the padded order (shuffled or not).
@@ -60,7 +66,9 @@ def plan_micro_batches(order: Sequence[int], micro: int, chunk: int, groups: Seq
         prompt_lengths, completion_lengths: tokens of each completion's prompt and completion.
         share_prompt: a group's completions in one row share one copy of the prompt.
         budget: max_tokens_per_batch, or None.
-        keep_membership: keep the padded micro-batches (loss terms defined per micro-batch).
+        keep_membership: keep the padded micro-batches, one row each (loss terms defined per micro-batch).
+        rows_needed: with a budget, maps this rank's rows of the budget per chunk to the largest number
+            any rank has (every rank must run as many forwards); default: this rank's (one process).
     """
     padded = [list(order[i:i + micro]) for i in range(0, len(order), micro)]
 
@@ -70,28 +78,47 @@ def plan_micro_batches(order: Sequence[int], micro: int, chunk: int, groups: Seq
     if keep_membership:
         if budget is not None and any(sum(tokens(p) for p in _parts(r, groups)) > budget for r in padded):
             warnings.warn(OVER_BUDGET, stacklevel=2)
-        return padded
+        return [[r] for r in padded]
 
-    planned = []
+    chunks = []
     for first in range(0, len(padded), chunk):
-        rows = padded[first:first + chunk]
-        parts = _parts([i for r in rows for i in r], groups)
+        count = len(padded[first:first + chunk])
+        parts = _parts([i for r in padded[first:first + chunk] for i in r], groups)
         if budget is None:
             bins = [parts]
         else:
+            parts = [piece for p in parts for piece in _within(p, budget, tokens)]
             bins = [[parts[j] for j in sorted(b)] for b in _bins([tokens(p) for p in parts], budget)]
-        bins = _to_count(bins, len(rows), tokens)
-        if budget is not None and any(sum(tokens(p) for p in b) > budget for b in bins):
-            warnings.warn(OVER_BUDGET, stacklevel=2)
-        planned += [[i for p in b for i in p] for b in bins]
-    return planned
+        chunks.append((bins, count))
+    needed = [len(bins) for bins, _ in chunks]
+    if budget is not None and rows_needed is not None:
+        needed = [int(n) for n in rows_needed(needed)]
+    planned = []
+    for (bins, count), need in zip(chunks, needed):
+        per = -(-max(need, 1) // count)  # rows per micro-batch: 1 while the chunk's forwards hold the budget's rows
+        planned += _deal(_split_to(bins, count * per, tokens), count, per, tokens)
+    return [[[i for p in row for i in p] for row in batch] for batch in planned]
 
 
-def _to_count(bins: list[list[list[int]]], count: int, tokens) -> list[list[list[int]]]:
-    """Exactly `count` rows: the fullest splittable row split in two while there are fewer (its groups
-    halved, or a lone group's completions), the rows dealt fullest first to the emptiest while there
-    are more."""
+def _within(part: list[int], budget: int, tokens) -> list[list[int]]:
+    """A group's completions in pieces of at most `budget` tokens (each with its own copy of the
+    prompt), in order; the group whole when it fits. A completion over the budget alone stays alone
+    (the trainer refuses such a budget when it is made)."""
+    if tokens(part) <= budget:
+        return [part]
+    pieces: list[list[int]] = [[]]
+    for i in part:
+        if pieces[-1] and tokens(pieces[-1] + [i]) > budget:
+            pieces.append([])
+        pieces[-1].append(i)
+    return pieces
+
+
+def _split_to(bins: list[list[list[int]]], count: int, tokens) -> list[list[list[int]]]:
+    """`count` rows: the fullest splittable row split in two while there are fewer (its groups halved,
+    or a lone group's completions); each half holds at most the tokens of the row it came from."""
     size = lambda b: sum(tokens(p) for p in b)  # noqa: E731
+    bins = list(bins)
     while len(bins) < count:
         splittable = [j for j, b in enumerate(bins) if sum(len(p) for p in b) > 1]
         j = max(splittable, key=lambda j: (size(bins[j]), -j))
@@ -102,12 +129,20 @@ def _to_count(bins: list[list[list[int]]], count: int, tokens) -> list[list[list
             half = len(b[0]) // 2
             halves = [[b[0][:half]], [b[0][half:]]]
         bins[j:j + 1] = halves
-    if len(bins) > count:
-        rows: list[list[list[int]]] = [[] for _ in range(count)]
-        for b in sorted(bins, key=lambda b: -size(b)):
-            min(rows, key=size).extend(b)
-        bins = rows
     return bins
+
+
+def _deal(bins: list[list[list[int]]], count: int, per: int, tokens) -> list[list[list[list[int]]]]:
+    """`count` micro-batches of `per` rows each from `count * per` rows: fullest row first, to the
+    micro-batch with the fewest tokens that has room (their forwards take similar time)."""
+    size = lambda b: sum(tokens(p) for p in b)  # noqa: E731
+    batches: list[list[list[list[int]]]] = [[] for _ in range(count)]
+    loads = [0] * count
+    for b in sorted(bins, key=lambda b: -size(b)):
+        j = min((j for j in range(count) if len(batches[j]) < per), key=lambda j: (loads[j], j))
+        batches[j].append(b)
+        loads[j] += size(b)
+    return batches
 
 
 def pack_completions(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], groups: Sequence[int],

@@ -32,10 +32,13 @@ rank's GRPO generation window: its completions and the log-probs computed for th
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from typing import Any
 
 import torch
 from torch import nn
+from accelerate.utils import DistributedType
 from transformers import Trainer
 
 from fusedalign.distributed import prepare_trainer_process
@@ -43,11 +46,18 @@ from fusedalign.head import TokenLogProbs, token_logprobs
 from fusedalign.metrics import Metrics, MetricsRecorder
 from fusedalign.trainers.callbacks import MetricsJSONLCallback
 from fusedalign.trainers.component_states import RANK_STATE_FILE, STATE_FILE, CheckpointError, ComponentStates
-from fusedalign.trainers.step_batch import PREPARED, MissingPartError, StepBatch, is_prepared, require_parts
+from fusedalign.trainers.step_batch import (
+    PREPARED,
+    MicroBatchParts,
+    MissingPartError,
+    StepBatch,
+    is_prepared,
+    require_parts,
+)
 
 # The seam's types are re-exported here, where trainers and tests import them from.
 
-__all__ = ["CheckpointError", "FusedAlignTrainer", "MissingPartError", "PREPARED", "RANK_STATE_FILE", "STATE_FILE",
+__all__ = ["CheckpointError", "FusedAlignTrainer", "MicroBatchParts", "MissingPartError", "PREPARED", "RANK_STATE_FILE", "STATE_FILE",
            "StepBatch", "is_prepared", "require_parts"]
 
 
@@ -152,12 +162,54 @@ class FusedAlignTrainer(Trainer):
     def _track_num_input_tokens(self, inputs):
         """Counted per step in `get_batch_samples` instead (one reduction a step, no host sync)."""
 
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """A micro-batch in parts (`MicroBatchParts`): one forward and backward per part, the
+        gradient synchronisation of the Trainer's last micro-batch deferred to the last part."""
+        if not isinstance(inputs, MicroBatchParts):
+            return super().training_step(model, inputs, num_items_in_batch)
+        last = len(inputs.parts) - 1
+        losses = []
+        for j, part in enumerate(inputs.parts):
+            with self._deferred_sync(model, j < last):
+                losses.append(super().training_step(model, part, num_items_in_batch))
+        return torch.stack(losses).sum()
+
+    @contextlib.contextmanager
+    def _deferred_sync(self, model: nn.Module, defer: bool):
+        """Within the Trainer's micro-batch that synchronises gradients, a backward that must not
+        yet: the context the Trainer gives its other micro-batches, and `sync_gradients` off (so
+        that accelerate runs DeepSpeed's backward without its boundary and optimizer step)."""
+        state = self.accelerator.gradient_state
+        if not defer or not state.sync_gradients:
+            yield  # the last part, or the Trainer's loop has already deferred this micro-batch
+            return
+        context = contextlib.nullcontext  # DeepSpeed: sync_gradients alone defers; sync_each_batch: nothing does
+        if (self.accelerator.distributed_type == DistributedType.DEEPSPEED
+                or state.plugin_kwargs.get("sync_each_batch", False)):
+            pass
+        elif getattr(self, "is_distributed_loading_by_transformers", False) and hasattr(
+                self, "_defer_fsdp_gradient_reduction"):
+            context = self._defer_fsdp_gradient_reduction
+        else:
+            context = functools.partial(self.accelerator.no_sync, model=model)
+        state._set_sync_gradients(False)
+        try:
+            with context():
+                yield
+        finally:
+            state._set_sync_gradients(True)
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         mode = "train" if model.training else "eval"
         if not is_prepared(inputs):
             # Evaluation, or a caller outside the training loop: the batch is its own step.
             inputs = self._prepared(model, [inputs], mode)[0]
-        loss_sum, metrics = self.loss_and_metrics(model, inputs, mode)
+        # A micro-batch in parts reaches here whole only outside training_step: the parts' sum.
+        loss_sum = None
+        for part in inputs.parts if isinstance(inputs, MicroBatchParts) else (inputs,):
+            part_sum, metrics = self.loss_and_metrics(model, part, mode)
+            self.metrics.record(mode, metrics)
+            loss_sum = part_sum if loss_sum is None else loss_sum + part_sum
         if num_items_in_batch is None:
             # Evaluation (or a caller outside the training loop): a local mean.
             loss = loss_sum / torch.as_tensor(self.count_items(inputs), device=loss_sum.device).clamp(min=1)
@@ -165,7 +217,6 @@ class FusedAlignTrainer(Trainer):
             # Backends average gradients over ranks, so multiply by the world size to get
             # sum(all units) / count(all units) in the end.
             loss = loss_sum * (self.accelerator.num_processes / num_items_in_batch.clamp(min=1))
-        self.metrics.record(mode, metrics)
         return (loss, None) if return_outputs else loss
 
     def evaluation_loop(self, *args: Any, **kwargs: Any):

@@ -24,13 +24,17 @@ from torch import Tensor
 from fusedalign.data.packed_rows import PackedRows
 from fusedalign.head import IGNORE_INDEX
 from fusedalign.trainers.grpo_batch import GRPOMicroBatch
-from fusedalign.trainers.grpo_packed_batch import PackedGRPOMicroBatch
-from fusedalign.trainers.step_batch import StepBatch
+from fusedalign.trainers.grpo_packed_batch import PackedGRPOMicroBatch, PackedGRPOParts
+from fusedalign.trainers.step_batch import MicroBatchParts, StepBatch
 
 
-def distillation_batch(batch: GRPOMicroBatch | PackedGRPOMicroBatch) -> "DistillationBatch | PackedDistillationBatch":
-    """The rollout's micro-batch, which must carry no log-probs (nothing is fixed at generation), in its layout."""
+def distillation_batch(batch: GRPOMicroBatch | PackedGRPOMicroBatch | PackedGRPOParts,
+                       ) -> "DistillationBatch | PackedDistillationBatch | MicroBatchParts":
+    """The rollout's micro-batch, which must carry no log-probs (nothing is fixed at generation), in its layout
+    (a micro-batch in parts: each part's)."""
     batch.require(old_logps=False, ref_logps=False, entropy_weight=False)
+    if isinstance(batch, PackedGRPOParts):
+        return MicroBatchParts(tuple(distillation_batch(part) for part in batch.parts))
     if isinstance(batch, PackedGRPOMicroBatch):
         return PackedDistillationBatch(batch.rows, batch.positions)
     return DistillationBatch(batch.input_ids, batch.attention_mask, batch.labels)

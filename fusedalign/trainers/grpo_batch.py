@@ -96,11 +96,11 @@ class GRPOMicroBatch(StepBatch):
 
     @staticmethod
     def from_state(state: dict[str, Any]) -> "GRPOMicroBatch":
-        """A micro-batch from `state()` (a packed one's state names its rows)."""
-        if "rows" in state:
-            from fusedalign.trainers.grpo_packed_batch import PackedGRPOMicroBatch
+        """A micro-batch from `state()` (a packed one's state names its rows, one in parts its parts)."""
+        if "rows" in state or "parts" in state:
+            from fusedalign.trainers.grpo_packed_batch import PackedGRPOMicroBatch, PackedGRPOParts
 
-            return PackedGRPOMicroBatch.from_state(state)
+            return (PackedGRPOParts if "parts" in state else PackedGRPOMicroBatch).from_state(state)
         return GRPOMicroBatch(**state)
 
 

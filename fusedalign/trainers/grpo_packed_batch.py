@@ -21,7 +21,7 @@ from torch import Tensor
 from fusedalign.data.grpo_packing import pack_completions, plan_micro_batches, window_chunk
 from fusedalign.data.packed_rows import PackedRows
 from fusedalign.trainers.grpo_batch import _WHY
-from fusedalign.trainers.step_batch import StepBatch, require_parts
+from fusedalign.trainers.step_batch import MicroBatchParts, StepBatch, require_parts
 
 _ROW_FIELDS = [f.name for f in dataclasses.fields(PackedRows) if f.name != "_forward"]
 
@@ -116,6 +116,33 @@ class PackedGRPOMicroBatch(StepBatch):
 
 
 @dataclass(frozen=True)
+class PackedGRPOParts(MicroBatchParts):
+    """A micro-batch of completions in several packed rows, one `PackedGRPOMicroBatch` each, trained
+    as one forward and backward per row (`step_batch.MicroBatchParts`)."""
+
+    parts: tuple[PackedGRPOMicroBatch, ...]
+
+    def replace(self, **parts: Any) -> "PackedGRPOParts":
+        """`advantages` [n] are cut per part in completion order; every other part is given to each."""
+        advantages = parts.pop("advantages", None)
+        cut = [None] * len(self.parts) if advantages is None else list(torch.split(advantages, self.sizes))
+        return dataclasses.replace(self, parts=tuple(
+            p.replace(**parts, **({} if a is None else {"advantages": a})) for p, a in zip(self.parts, cut)))
+
+    def require(self, **needed: bool) -> "PackedGRPOParts":
+        for part in self.parts:
+            part.require(**needed)
+        return self
+
+    def state(self) -> dict[str, Any]:
+        return {"parts": [p.state() for p in self.parts]}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> "PackedGRPOParts":
+        return cls(tuple(PackedGRPOMicroBatch.from_state(p) for p in state["parts"]))
+
+
+@dataclass(frozen=True)
 class PackedLayout:
     """How one generation's completions (this rank's) become packed micro-batches (`data.grpo_packing`).
 
@@ -145,14 +172,20 @@ class PackedLayout:
                    args.max_tokens_per_batch if train else None,
                    window_chunk(args.steps_per_generation, args.gradient_accumulation_steps) if train else 1, keep)
 
-    def plan(self, order: list[int], micro: int) -> list[list[int]]:
-        """The micro-batches (completion indices), as many as the padded cut of `order` into `micro`."""
+    def plan(self, order: list[int], micro: int, rows_needed: Any = None) -> list[list[list[int]]]:
+        """The micro-batches, each as its rows of completion indices, as many as the padded cut of `order`
+        into `micro` (`rows_needed`: as `plan_micro_batches`')."""
         return plan_micro_batches(order, micro, self.chunk, self.groups, [len(p) for p in self.prompts],
                                   [len(c) for c in self.completions], share_prompt=self.share_prompt,
-                                  budget=self.budget, keep_membership=self.keep_membership)
+                                  budget=self.budget, keep_membership=self.keep_membership, rows_needed=rows_needed)
 
-    def micro_batch(self, idx: list[int], loss_rows: Tensor | None, device: Any) -> PackedGRPOMicroBatch:
-        """The micro-batch of completions `idx` (advantages still 0); `loss_rows` [n] bool or None: all."""
+    def micro_batch(self, rows: list[list[int]], loss_rows: Tensor | None,
+                    device: Any) -> PackedGRPOMicroBatch | PackedGRPOParts:
+        """The micro-batch of the completions in `rows` (advantages still 0): one packed row, or parts
+        of one row each; `loss_rows` [n] bool or None: all."""
+        if len(rows) > 1:
+            return PackedGRPOParts(tuple(self.micro_batch([idx], loss_rows, device) for idx in rows))
+        idx = rows[0]
         scored = [True] * len(idx) if loss_rows is None else [bool(loss_rows[i]) for i in idx]
         rows, positions = pack_completions([self.prompts[i] for i in idx], [self.completions[i] for i in idx],
                                            [self.groups[i] for i in idx], scored, share_prompt=self.share_prompt)

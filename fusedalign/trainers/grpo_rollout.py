@@ -32,6 +32,7 @@ on or off changes nothing of training.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
@@ -48,6 +49,7 @@ from fusedalign.trainers.component_states import CheckpointError
 from fusedalign.trainers.grpo_batch import GRPOMicroBatch
 from fusedalign.trainers.grpo_completions import CompletionLog
 from fusedalign.trainers.grpo_packed_batch import PackedLayout
+from fusedalign.trainers.step_batch import MicroBatchParts
 
 EVAL_KEYS = 2**31  # evaluation's generation keys: EVAL_KEYS + the global step (training's stay below)
 
@@ -246,15 +248,16 @@ class GRPORollout:
         micro = args.per_device_train_batch_size if mode == "train" else len(rows)
         if len(rows) > micro:  # several micro-batches: decorrelate them (seeded, as TRL shuffles)
             order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(args.seed + key + 1)).tolist()
-        cuts = [order[first:first + micro] for first in range(0, len(rows), micro)]
+        cuts = [[order[first:first + micro]] for first in range(0, len(rows), micro)]  # each: its rows
         packed = getattr(args, "padding_free", False)
         if packed:  # packed rows: completions regrouped by prompt (data/grpo_packing.py)
             layout = PackedLayout.of(args, mode, self.accelerator.process_index * len(rows), prompt_ids, out)
-            cuts = layout.plan(order, micro)
+            cuts = layout.plan(order, micro, self._most_rows)
         batches, kls = [], {}
-        for idx in cuts:
+        for cut in cuts:
+            idx = [i for row in cut for i in row]
             if packed:
-                batch = layout.micro_batch(idx, loss_rows, device)
+                batch = layout.micro_batch(cut, loss_rows, device)
             else:
                 parts = completion_batch([prompt_ids[i] for i in idx], [out.completion_ids[i] for i in idx],
                                          self.tokenizer.pad_token_id, None if loss_rows is None else loss_rows[idx])
@@ -271,6 +274,15 @@ class GRPORollout:
         return batches, torch.stack([torch.nn.functional.pad(kls[i], (0, width - kls[i].shape[0]))
                                      for i in range(len(rows))])
 
+    def _most_rows(self, rows: list[int]) -> list[int]:
+        """The most rows of the budget any rank has in each chunk of its window (every rank runs as many
+        forwards)."""
+        acc = self.accelerator
+        if acc.num_processes == 1:
+            return rows
+        local = torch.tensor(rows, dtype=torch.long, device=acc.device)
+        return acc.gather(local).view(acc.num_processes, -1).amax(0).tolist()
+
     @staticmethod
     def _mask(batches: list, kl: torch.Tensor) -> torch.Tensor:
         """[n, T] the loss tokens of this rank's rows in their order (as `kl`)."""
@@ -285,6 +297,14 @@ class GRPORollout:
         """Old-policy and reference log-probs [b, T] of a micro-batch, each only when it is needed;
         and the per-token KL [b, T] (policy minus reference on the loss tokens) for a strategy
         with the KL in the reward (else None)."""
+        if isinstance(batch, MicroBatchParts):  # each part its own forward
+            done = [self._with_fixed_logps(model, part, mode) for part in batch.parts]
+            kls = [kl for _, kl in done]
+            batch = dataclasses.replace(batch, parts=tuple(part for part, _ in done))
+            if kls[0] is None:
+                return batch, None
+            width = max(kl.shape[1] for kl in kls)
+            return batch, torch.cat([torch.nn.functional.pad(kl, (0, width - kl.shape[1])) for kl in kls])
         old = ref = policy = kl = None
         kl_in_reward = self.advantages.kl_in_reward and self.args.beta != 0.0
         score = lambda m: batch.per_completion(self.score(m, *batch.forward_args(m)))  # noqa: E731

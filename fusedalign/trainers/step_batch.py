@@ -8,6 +8,7 @@ lacks a part its configuration needs, or holds one it does not use, naming it.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,3 +59,50 @@ class StepBatch:
 
 def is_prepared(batch: Any) -> bool:
     return isinstance(batch, StepBatch) or bool(batch.get(PREPARED))
+
+
+@dataclass(frozen=True)
+class MicroBatchParts(StepBatch):
+    """One micro-batch of the Trainer's loop that does not fit one forward under the token budget.
+
+    Its `parts` (each a prepared micro-batch of some of its completions, one packed row each)
+    are trained one after another, each forward followed by its own backward, with the
+    gradient synchronisation deferred to the last part (`FusedAlignTrainer.training_step`):
+    the same update as one forward of the whole micro-batch, for any loss whose sum adds up
+    over completions, with the memory of one part. Completion i of the micro-batch is the
+    i-th of the parts' completions taken in order.
+
+    Attributes:
+        parts: the parts, in order (at least one).
+    """
+
+    parts: tuple
+
+    def __post_init__(self):
+        if not self.parts:
+            raise ValueError("MicroBatchParts needs at least one part")
+
+    @property
+    def sizes(self) -> list[int]:
+        """Completions of each part."""
+        return [int(p.loss_mask.shape[0]) for p in self.parts]
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        """[n, C] bool: the parts' loss masks stacked (C the widest), in completion order."""
+        masks = [p.loss_mask for p in self.parts]
+        width = max(m.shape[1] for m in masks)
+        return torch.cat([torch.nn.functional.pad(m, (0, width - m.shape[1])) for m in masks])
+
+    def input_tokens(self) -> torch.Tensor:
+        return torch.stack([torch.as_tensor(p.input_tokens()) for p in self.parts]).sum()
+
+    def forward_tokens(self) -> int:
+        return sum(p.forward_tokens() for p in self.parts)
+
+    def map(self, fn) -> "MicroBatchParts":
+        """The same micro-batch with `fn` applied to each part (same type)."""
+        return dataclasses.replace(self, parts=tuple(fn(p) for p in self.parts))
+
+    def to(self, device: torch.device | str) -> "MicroBatchParts":
+        return self.map(lambda p: p.to(device))

@@ -74,6 +74,13 @@ def _step_advantages(seen, accumulation: int) -> list[list[float]]:
     return [sorted(float(a) for b in step for a in b.advantages) for step in steps]
 
 
+@pytest.fixture(scope="module")
+def longest_completion(prompts, replay) -> int:
+    """Tokens of the longest prompt + completion: the smallest budget a run can have."""
+    rows, _ = prepare_prompt_dataset(prompts, load_tokenizer(MODEL))
+    return max(len(rows[r]["prompt_ids"]) + len(replay.records[(r, g)][0]) for r in range(ROWS) for g in range(G))
+
+
 def _assert_same_training(packed, padded, accumulation=2):
     assert len(packed[0]) == len(padded[0]) >= 4
     for step, (a, b) in enumerate(zip(packed[0], padded[0])):
@@ -82,8 +89,11 @@ def _assert_same_training(packed, padded, accumulation=2):
             if key in b:
                 assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (step, key)
     assert any(e.get("kl", 0) > 0 for e in padded[0])  # beta > 0 reached the loss
-    for a, b in zip(_step_advantages(packed[2], accumulation), _step_advantages(padded[2], accumulation)):
+    if accumulation is None:  # micro-batches in parts: the run's advantages, as a whole
+        a, b = (sorted(float(a) for batch in run[2] for a in batch.advantages) for run in (packed, padded))
         assert a == pytest.approx(b, rel=1e-6, abs=1e-7)
+    for a, b in zip(_step_advantages(packed[2], accumulation or 1), _step_advantages(padded[2], accumulation or 1)):
+        assert accumulation is None or a == pytest.approx(b, rel=1e-6, abs=1e-7)
     for key, value in padded[1].items():
         torch.testing.assert_close(packed[1][key], value, rtol=1e-5, atol=1e-6, msg=key)
     assert any(not torch.equal(v, load_model(MODEL).state_dict()[k]) for k, v in padded[1].items())
@@ -110,6 +120,33 @@ def test_packed_shared_prompt_grpo_equals_padded_unfused(tmp_path, prompts, repl
     # The groups are regrouped whole (two per window, one a row) unless the loss is defined per micro-batch.
     regrouped = [len(set(b.rows.sequence_group.tolist())) == 1 for b in packed[2]]
     assert all(regrouped) == (loss_type != "bnpo")
+
+
+@pytest.mark.parametrize("loss_type", [t for t in LOSS_TYPES if t != "bnpo"])
+def test_micro_batches_over_the_budget_train_in_parts_equal_to_padded_unfused(tmp_path, prompts, replay,
+                                                                              longest_completion, loss_type):
+    """A budget just above the longest prompt + completion: a step's 8 completions need more rows than
+    its 2 forwards, so each micro-batch is trained as several rows, one forward and backward each, no
+    row over the budget: the same training as padded micro-batches, no warning."""
+    budget = longest_completion + 1
+    padded = _train(tmp_path / "p", prompts, replay, loss_type=loss_type, fused_head=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        packed = _train(tmp_path / "k", prompts, replay, loss_type=loss_type, padding_free=True, share_prompt=True,
+                        max_tokens_per_batch=budget)
+    _assert_same_training(packed, padded, accumulation=None)
+    _assert_packed(packed[2], budget)
+    assert len(packed[2]) > len(padded[2])  # more forwards than micro-batches
+
+
+def test_rloo_micro_batches_over_the_budget_train_in_parts(tmp_path, prompts, replay, longest_completion):
+    common = dict(trainer_cls=RLOOTrainer, config_cls=RLOOConfig, beta=0.05)
+    padded = _train(tmp_path / "p", prompts, replay, fused_head=False, **common)
+    packed = _train(tmp_path / "k", prompts, replay, padding_free=True, share_prompt=True,
+                    max_tokens_per_batch=longest_completion + 1, **common)
+    _assert_same_training(packed, padded, accumulation=None)
+    _assert_packed(packed[2], longest_completion + 1)
+    assert len(packed[2]) > len(padded[2])
 
 
 def test_a_window_over_several_optimizer_steps_keeps_each_steps_completions(tmp_path, prompts, replay):
@@ -145,35 +182,54 @@ def test_gradient_checkpointing_on_packed_rows_changes_nothing(tmp_path, prompts
 # ---------------------------------------------------------------------- the plan and the row
 
 
+def _flat(batch: list[list[int]]) -> list[int]:
+    return [i for row in batch for i in row]
+
+
 def test_plan_keeps_the_forward_count_and_each_chunks_completions():
     groups = [i // 4 for i in range(16)]
     order = torch.randperm(16, generator=torch.Generator().manual_seed(0)).tolist()
     lengths = [1 + (7 * i) % 11 for i in range(16)]
     plan = plan_micro_batches(order, 4, 2, groups, [5] * 16, lengths, share_prompt=True, budget=None,
                               keep_membership=False)
-    assert len(plan) == 4
+    assert len(plan) == 4 and all(len(batch) == 1 for batch in plan)  # one row each
     for c in (0, 2):
-        assert sorted(plan[c] + plan[c + 1]) == sorted(order[4 * c:4 * c + 8])
+        assert sorted(_flat(plan[c]) + _flat(plan[c + 1])) == sorted(order[4 * c:4 * c + 8])
     kept = plan_micro_batches(order, 4, 2, groups, [5] * 16, lengths, share_prompt=True, budget=None,
                               keep_membership=True)
-    assert kept == [order[i:i + 4] for i in range(0, 16, 4)]
+    assert kept == [[order[i:i + 4]] for i in range(0, 16, 4)]
 
 
-def test_plan_fills_the_budget_and_warns_when_a_step_cannot_hold_it():
+def test_plan_fills_the_budget_and_trains_what_a_step_cannot_hold_in_parts():
     groups, lengths = [i // 2 for i in range(8)], [3] * 8
     size = group_tokens(4, [3, 3], True)  # one group: 4 - 1 + 2 x 4 = 11 tokens
-    plan = plan_micro_batches(list(range(8)), 2, 4, groups, [4] * 8, lengths, share_prompt=True, budget=2 * size,
-                              keep_membership=False)
-    assert len(plan) == 4 and all(len(p) == 2 for p in plan)  # 2 bins of 2 groups split into 4 rows
+    row = lambda r: group_tokens(4, [3] * len(r), True)  # noqa: E731  (rows of one group here)
+
+    def plan(micro, chunk, budget, **kwargs):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            return plan_micro_batches(list(range(8)), micro, chunk, groups, [4] * 8, lengths, share_prompt=True,
+                                      budget=budget, keep_membership=False, **kwargs)
+
+    fits = plan(2, 4, 2 * size)
+    assert [len(b) for b in fits] == [1] * 4 and all(len(b[0]) == 2 for b in fits)  # 2 bins split into 4 rows
+    # 4 groups of one budget each, 2 forwards: each micro-batch is 2 rows, one group each.
+    parts = plan(4, 2, size)
+    assert [len(b) for b in parts] == [2, 2] and sorted(_flat(sum(parts, []))) == list(range(8))
+    assert all(sorted(groups[i] for i in r) == [groups[r[0]]] * 2 for b in parts for r in b)
+    # Another rank needs 6 rows: this one splits its rows to as many, 3 a micro-batch, none over the budget.
+    asked = []
+    more = plan(4, 2, size, rows_needed=lambda rows: asked.append(rows) or [6])
+    assert asked == [[4]] and [len(b) for b in more] == [3, 3]
+    assert sorted(_flat(sum(more, []))) == list(range(8)) and max(row(r) for b in more for r in b) <= size
+    # The rows are dealt fullest first to the lightest micro-batch: the two have equal loads here.
+    assert sum(row(r) for r in more[0]) == sum(row(r) for r in more[1])
+    # Loss terms defined per micro-batch keep the padded micro-batches, one row each, and warn when over.
     with pytest.warns(UserWarning, match="max_tokens_per_batch"):
-        plan = plan_micro_batches(list(range(8)), 4, 2, groups, [4] * 8, lengths, share_prompt=True, budget=size,
-                                  keep_membership=False)
-    assert len(plan) == 2 and sorted(i for p in plan for i in p) == list(range(8))
+        kept = plan_micro_batches(list(range(8)), 4, 2, groups, [4] * 8, lengths, share_prompt=True, budget=size,
+                                  keep_membership=True)
+    assert kept == [[[0, 1, 2, 3]], [[4, 5, 6, 7]]]
     assert OVER_BUDGET.startswith("max_tokens_per_batch")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        plan_micro_batches(list(range(8)), 4, 2, groups, [4] * 8, lengths, share_prompt=True, budget=2 * size,
-                           keep_membership=False)
 
 
 def test_packed_completions_read_back_per_completion():

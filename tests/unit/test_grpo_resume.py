@@ -70,19 +70,22 @@ def test_resumed_from_every_checkpoint_equals_the_uninterrupted_run(tmp_path, ke
         _assert_same(got, want, got_weights, weights, range(checkpoint + 1, 5))
 
 
-def test_packed_rows_resume_inside_a_window_as_the_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("micro, budget, kind", [(2, 96, "PackedGRPOMicroBatch"), (4, 16, "PackedGRPOParts")],
+                         ids=["rows", "parts"])
+def test_packed_rows_resume_inside_a_window_as_the_uninterrupted_run(tmp_path, micro, budget, kind):
     """Packed shared-prompt rows under a token budget, num_iterations 2: checkpoint-1 lies inside
     a window, whose packed micro-batches (rows, per-completion read-back, old-policy and reference
-    log-probs) must come back from the checkpoint."""
-    packed = dict(padding_free=True, share_prompt=True, max_tokens_per_batch=96, gradient_accumulation_steps=2,
-                  per_device_train_batch_size=2)
+    log-probs) must come back from the checkpoint; with a budget below a micro-batch's tokens, each
+    micro-batch is in parts of one row each, which come back as parts."""
+    packed = dict(padding_free=True, share_prompt=True, max_tokens_per_batch=budget, gradient_accumulation_steps=2,
+                  per_device_train_batch_size=micro)
     straight, want, weights = _train(tmp_path / "straight", **packed)
     out = tmp_path / "from1"
     _train(out, max_steps=1, **packed)
     window = torch.load(out / "checkpoint-1" / "fusedalign_rank0.pt", weights_only=False)["grpo_rollout"]["window"]
     assert window is not None and window["served"] == 2  # stopped inside the window: 2 of its 4 servings
     resumed, got, got_weights = _train(out, resume=str(out / "checkpoint-1"), **packed)
-    assert type(resumed.rollout.window.batches[0]).__name__ == "PackedGRPOMicroBatch"
+    assert {type(b).__name__ for b in resumed.rollout.window.batches} == {kind}
     _assert_same(got, want, got_weights, weights, range(2, 5))
 
 
