@@ -68,9 +68,9 @@ class DistillationConfig(GRPOConfig):
     max_tokens_per_batch: int | None = field(
         default=None,
         metadata={"help": "With padding_free: the prompts and completions of each optimizer step (the same ones as "
-                  "padded batches) are packed into its gradient_accumulation_steps rows, at most this many tokens "
-                  "each where they fit (a step whose sequences need more rows than it has forwards gets balanced "
-                  "rows over the budget, with a warning: raise the budget or gradient_accumulation_steps). Same "
+                  "padded batches) are packed into rows of at most this many tokens, one row a micro-batch where the "
+                  "step's gradient_accumulation_steps forwards hold them, else each micro-batch trained as several "
+                  "rows, one forward and backward each, so memory stays that of one row. Same "
                   "update as padded batches. Must hold one prompt of max_prompt_length and a completion of "
                   "max_completion_length."})
     share_prompt: bool = _hidden(False)  # refused: one completion per prompt

@@ -247,6 +247,14 @@ def run(spec: dict, out_root: str) -> None:
         # The types of the prepared micro-batches the loss read (padded or packed rows), on this rank.
         "batch_types": sorted({type(batch).__name__ for batch in micro_batches}),
     }
+    # Per rank: the forwards the loss ran (a micro-batch in parts runs one per part), and the most tokens
+    # one of them held (packed rows).
+    import torch
+
+    counts = [len(micro_batches), max((batch.forward_tokens() for batch in micro_batches), default=0)]
+    gathered = trainer.accelerator.gather(torch.tensor([counts], device=trainer.accelerator.device)).tolist()
+    result["forwards_per_rank"] = [row[0] for row in gathered]
+    result["largest_forward_per_rank"] = [row[1] for row in gathered]
     if spec.get("evaluate"):
         metrics = trainer.evaluate()
         result["eval"] = {k: v for k, v in metrics.items() if isinstance(v, float) and "runtime" not in k and "per_second" not in k}

@@ -20,7 +20,8 @@ Three splits that layout never makes, on DDP and, where noted, ZeRO-3:
 The keys each rank generated for (run_scenarios.py records them) show each split happened.
 On every backend, packed rows (`packed_kl_mu2`: padding_free, share_prompt, a token budget,
 beta > 0, num_iterations 2, 2 ranks x accumulation 2 x batch 2) against padded 1 x 1 x 8, with
-and without gradient checkpointing.
+and without gradient checkpointing, and under a budget below a prompt group, where each
+micro-batch is trained in parts (as many on each rank, none over the budget).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ LORA = {"peft": True, "lora_target_modules": ["q_proj", "v_proj", "lm_head"], "i
 # Rank 0 generates for the first prompt of each generation batch (rows 0, 2, 4 in 3 steps):
 # all their completions truncated and masked; rank 1's rows keep loss tokens.
 MASKED_ROWS = [0, 2, 4]
+PARTS_BUDGET = 20
 MASKED_RANK0 = {"truncate_rows": MASKED_ROWS, "mask_truncated_completions": True, "top_entropy_quantile": 0.5}
 
 BASELINE = [
@@ -86,11 +88,16 @@ _packed = ({**GRPO, "name": "packed_kl_mu2", "fused": True, "per_device_batch": 
             "max_tokens_per_batch": 80}, "grpo_kl_mu2")
 # The same with gradient checkpointing (non-reentrant): recomputed layers over packed rows.
 _packed_ckpt = ({**_packed[0], "name": "packed_kl_mu2_ckpt", "gradient_checkpointing": True}, "grpo_kl_mu2")
+# A budget (20) below a prompt group (4 completions, 24-45 tokens): each rank's step needs 2 to 4 rows for
+# its 2 micro-batches, so each micro-batch is trained in parts, one forward and backward each, as many
+# on every rank (the most either needs), the gradient sync deferred to the last part.
+_parts = ({**_packed[0], "name": "packed_parts_kl_mu2", "max_tokens_per_batch": PARTS_BUDGET}, "grpo_kl_mu2")
 SCENARIOS = {
-    "ddp": _common + [_lora, _span, _accum, _masked_rank0, _packed, _packed_ckpt],
-    "zero2": _common + [_kl, _packed, _packed_ckpt],
-    "zero3": _common + [_kl, _lora, _keyed, _keyed_static, _span, _masked_rank0, _resumed, _packed, _packed_ckpt],
-    "fsdp2": _common + [_kl, _lora, _keyed, _keyed_static, _packed, _packed_ckpt],
+    "ddp": _common + [_lora, _span, _accum, _masked_rank0, _packed, _packed_ckpt, _parts],
+    "zero2": _common + [_kl, _packed, _packed_ckpt, _parts],
+    "zero3": _common + [_kl, _lora, _keyed, _keyed_static, _span, _masked_rank0, _resumed, _packed, _packed_ckpt,
+                        _parts],
+    "fsdp2": _common + [_kl, _lora, _keyed, _keyed_static, _packed, _packed_ckpt, _parts],
 }
 CASES = [(backend, spec["name"], want) for backend in BACKENDS for spec, want in SCENARIOS[backend]]
 COMPARED = ("reward", "reward_std", "kl", "entropy", "completions/mean_length", "clip_ratio/region_mean")
@@ -122,6 +129,10 @@ def test_backend_equals_single_process_unfused(runs, backend, name, want):
     got, baseline = runs(backend), runs(None)
     assert_same_training(got, name, baseline, want, backend=backend)
     _assert_same_history(result(got, name), result(baseline, want))
+    if name == "packed_parts_kl_mu2":  # micro-batches in parts: more forwards, as many on each rank, none over
+        forwards, largest = result(got, name)["forwards_per_rank"], result(got, name)["largest_forward_per_rank"]
+        assert forwards[0] == forwards[1] > 3 * 2 and max(largest) <= PARTS_BUDGET, (forwards, largest)
+        assert result(got, "packed_kl_mu2")["forwards_per_rank"] == [3 * 2, 3 * 2]  # 3 steps x 2 micro-batches
     if name == "keyed_static":  # StaticDecode's own loop ran, not its fallback to generate
         assert result(got, name)["generator"] == "StaticDecode"
         assert result(got, name)["generator_last_call"]["path"] == "static"
