@@ -64,7 +64,9 @@ def parse_args(argv=None) -> argparse.Namespace:
       "unless asked, or in --longest_search)")
     a("--random_completions", action="store_true",
       help="replace generation by random ids, every completion --new_tokens long (both trainers; for memory)")
-    a("--max_tokens_per_batch", type=int, default=None, help="ours' token budget, for the packed configurations")
+    a("--max_tokens_per_batch", type=int, default=None,
+      help="ours' token budget, for the packed configurations (0: --prompt_length + --new_tokens, one completion's "
+           "row, the smallest that trains: what --longest_search wants); default: none, one row a micro-batch")
     a("--longest_search", action="store_true",
       help="the longest max_completion_length each configuration trains at (benchmarks/grpo_longest.py); "
            "defaults then: 8 prompts x 8 completions, micro-batch 8, gradient checkpointing, random completions")

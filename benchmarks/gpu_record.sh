@@ -10,14 +10,17 @@
 # TINY=1 runs the same parts on the CPU with the tiny model (a check that each one starts).
 # PARTS names the parts to run (default: decode grpo generation dpo_flex, about 9 minutes
 # together); the others are commands of their own: PARTS=distill (with its teacher, about 8
-# minutes), PARTS="e2e_dpo real_lengths grpo_real" (about 9 minutes).
+# minutes), PARTS="e2e_dpo real_lengths grpo_real" (about 9 minutes), PARTS=grpo_longest (at most 9
+# minutes: the longest completion ours (one completion a row) and TRL train at 8 x 8).
 set -u
 OUT=${OUT:-$PWD/bench-out}
 MODEL=${MODEL:-/tmp/bench-model}
 TEACHER=${TEACHER:-/tmp/bench-teacher}
 PARTS=${PARTS:-"decode grpo generation dpo_flex"}
 if [ "${TINY:-0}" = 1 ]; then X="--device cpu --tiny"; SHAPE="tiny=True, dtype='fp32'"; GRPO_REAL=""; BATCH=4; BATCHES=4
-else X=""; SHAPE="tiny=False, dtype='bf16'"; BATCH=512; BATCHES="64 256 512"
+     GRPO_BUDGET=64; LONGEST="--search_step 8 --search_max 32"
+else X=""; SHAPE="tiny=False, dtype='bf16'"; BATCH=512; BATCHES="64 256 512"; GRPO_BUDGET=8192
+     LONGEST="--search_step 4096 --search_max 65536"
      GRPO_REAL="--prompts 8 --completion_lengths lognormal:300:1500 --new_tokens 2048 --per_device_train_batch_size 8"; fi
 mkdir -p "$OUT"
 : > "$OUT/summary.txt"
@@ -42,7 +45,7 @@ part model 30 python3 -c "from benchmarks.builders.model import build_model as b
 part decode 45 python3 benchmarks/decode_profile.py $X --batches $BATCHES --repeats 5 --kernels 8 \
     --model_dir "$MODEL" --markdown_out "$OUT/decode.md"
 part grpo 200 python3 benchmarks/e2e_grpo.py $X --configs ours ours_shared_prompt trl \
-    --warmup_steps 1 --timed_steps 2 \
+    --warmup_steps 1 --timed_steps 2 --max_tokens_per_batch $GRPO_BUDGET \
     --model_dir "$MODEL" --log_dir "$OUT/grpo" --markdown_out "$OUT/grpo.md"
 part generation 110 python3 benchmarks/generation.py $X --batches $BATCH --repeats 1 --methods ours ours_fused dynamic_eos \
     --model_dir "$MODEL" --log_dir "$OUT/generation" --markdown_out "$OUT/generation.md"
@@ -55,8 +58,11 @@ part real_lengths 150 python3 benchmarks/e2e_dpo.py $X --real_lengths ultrafeedb
     --configs trl_liger ours_shared_prompt_flex trl_liger_grouped \
     --model_dir "$MODEL" --log_dir "$OUT/real_lengths" --markdown_out "$OUT/real_lengths.md"
 part grpo_real 200 python3 benchmarks/e2e_grpo.py $X --configs ours ours_shared_prompt trl $GRPO_REAL \
-    --warmup_steps 1 --timed_steps 2 \
+    --warmup_steps 1 --timed_steps 2 --max_tokens_per_batch $GRPO_BUDGET \
     --model_dir "$MODEL" --log_dir "$OUT/grpo_real" --markdown_out "$OUT/grpo_real.md"
+part grpo_longest 540 python3 benchmarks/e2e_grpo.py $X --longest_search --configs ours_shared_prompt trl \
+    --max_tokens_per_batch 0 $LONGEST --model_dir "$MODEL" --log_dir "$OUT/grpo_longest" \
+    --markdown_out "$OUT/grpo_longest.md"
 part teacher 90 python3 -c "from benchmarks.builders.model import build_model as b; print(b('$TEACHER', $SHAPE, seed=1, shape='1.5b'))"
 part distill 420 python3 benchmarks/e2e_distill.py $X --configs ours trl \
     --model_dir "$MODEL" --teacher_dir "$TEACHER" --log_dir "$OUT/distill" --markdown_out "$OUT/distill.md"

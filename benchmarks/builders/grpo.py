@@ -178,8 +178,8 @@ def build_ours(run, s, output_dir, prompts, tokenizer, callback, timers, reward)
     packing = {}
     if run.padding_free:
         packing = dict(padding_free=True, share_prompt=run.share_prompt)
-        if s.max_tokens_per_batch is not None:
-            packing["max_tokens_per_batch"] = s.max_tokens_per_batch
+        if s.max_tokens_per_batch is not None:  # 0: one completion's row, the smallest budget that trains
+            packing["max_tokens_per_batch"] = s.max_tokens_per_batch or s.prompt_length + s.new_tokens
     args = GRPOConfig(**grpo_args(s, output_dir), compile_generation=run.compile_generation,
                       generation_backend=run.generation_backend, compile_layers=run.compile_layers, **packing)
     index = list(range(len(prompts)))

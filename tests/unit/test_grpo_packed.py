@@ -171,8 +171,10 @@ OFFLOAD = pytest.param({"offload": True}, id="offload", marks=pytest.mark.skipif
 
 
 @pytest.mark.parametrize("kwargs", [pytest.param({}, id="checkpointing"), OFFLOAD])
-def test_gradient_checkpointing_on_packed_rows_changes_nothing(tmp_path, prompts, replay, longest_group, kwargs):
-    common = dict(padding_free=True, share_prompt=True, max_tokens_per_batch=longest_group + 1, loss_type="dapo")
+def test_gradient_checkpointing_on_packed_rows_changes_nothing(tmp_path, prompts, replay, longest_completion,
+                                                               kwargs):
+    """On micro-batches in parts (a budget just above one completion): each part's recomputed forward."""
+    common = dict(padding_free=True, share_prompt=True, max_tokens_per_batch=longest_completion + 1, loss_type="dapo")
     plain = _train(tmp_path / "a", prompts, replay, **common)
     checkpointed = _train(tmp_path / "c", prompts, replay, gradient_checkpointing=True,
                           gradient_checkpointing_kwargs=kwargs or None, **common)
