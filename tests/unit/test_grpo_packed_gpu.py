@@ -1,5 +1,6 @@
 """GRPO and RLOO on packed rows (`padding_free`, `share_prompt`, a token budget just above the longest
-group) train as on padded rows, both fused: GRPO in bf16 on CUDA on the Qwen2.5-0.5B shape (marked
+group; and one just above the longest completion, which trains each micro-batch in parts) train as on
+padded rows, both fused: GRPO in bf16 on CUDA on the Qwen2.5-0.5B shape (marked
 gpu), and the same check for GRPO and RLOO in float32 on the CPU on the builtin tiny model. RLOO
 shares every packed pass with GRPO (it differs in its advantages and where its KL goes), so the
 GPU gate's time goes to one of them.
@@ -54,12 +55,14 @@ def _replay(shape: Shape, eos: int):
     return uneven_replay(shape.rows, shape.generations, eos, truncate_every=3, max_length=shape.max_completion_length - 1)
 
 
-def _budget(shape: Shape, prompts, replay, tokenizer) -> int:
-    """One token above the longest prompt group in a shared-prompt row."""
+def _budgets(shape: Shape, prompts, replay, tokenizer) -> tuple[int, int]:
+    """One token above the longest prompt group in a shared-prompt row (one row a micro-batch), and one
+    above the longest prompt + completion (each micro-batch in parts)."""
     rows, _ = prepare_prompt_dataset(prompts, tokenizer)
-    return 1 + max(group_tokens(len(rows[r]["prompt_ids"]),
-                                [len(replay.records[(r, g)][0]) for g in range(shape.generations)], True)
-                   for r in range(shape.rows))
+    lengths = [(len(rows[r]["prompt_ids"]), [len(replay.records[(r, g)][0]) for g in range(shape.generations)])
+               for r in range(shape.rows)]
+    return (1 + max(group_tokens(p, cs, True) for p, cs in lengths),
+            1 + max(p + c for p, cs in lengths for c in cs))
 
 
 def _train(shape: Shape, trainer: str, device: str, dtype: torch.dtype, out, prompts, replay, **layout):
@@ -88,7 +91,7 @@ def assert_packed_trains_as_padded(shape: Shape, trainer: str, device: str, dtyp
     tokenizer = load_tokenizer(shape.model)
     prompts = load_dataset_any("builtin:zen", "standard_prompt_only").select(range(shape.rows))
     replay = _replay(shape, tokenizer.eos_token_id)
-    budget = _budget(shape, prompts, replay, tokenizer)
+    budget, smallest = _budgets(shape, prompts, replay, tokenizer)
     truth, _, _ = _train(shape, trainer, device, torch.float32, tmp_path / "truth", prompts, replay)
     padded = truth
     if dtype != torch.float32:
@@ -99,10 +102,15 @@ def assert_packed_trains_as_padded(shape: Shape, trainer: str, device: str, dtyp
     assert all(bool((b.rows.parent_ids >= 0).any()) for b in seen)  # prompts shared in every row
     assert max(b.rows.forward_tokens() for b in seen) <= budget
     assert attn == ("flex_attention" if device == "cuda" else "sdpa")
-    for run in (padded, packed):  # the same completions: the same rewards
+    # Each micro-batch in parts, one row of at most one completion's budget each, a backward each.
+    parts, seen, _ = _train(shape, trainer, device, dtype, tmp_path / "parts", prompts, replay,
+                            padding_free=True, share_prompt=True, max_tokens_per_batch=smallest)
+    assert len(seen) > 6 and max(b.rows.forward_tokens() for b in seen) <= smallest
+    for run in (padded, packed, parts):  # the same completions: the same rewards
         assert [e.get("reward") for e in run[0]] == [e.get("reward") for e in truth[0]]
     assert any(e.get("kl", 0) > 0 for e in truth[0]) and len({e["loss"] for e in truth[0]}) == 3
     assert_within(dtype, COMPARED, truth, padded, packed, name=trainer)
+    assert_within(dtype, COMPARED, truth, padded, parts, name=f"{trainer} in parts")
 
 
 @pytest.mark.parametrize("trainer", sorted(TRAINERS))
