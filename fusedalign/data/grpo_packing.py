@@ -35,12 +35,32 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from .formats import DataError, row_name
 from .packed_rows import PackedRows, _Row, group_tokens
 from .packing import _bins
 
 OVER_BUDGET = ("max_tokens_per_batch: loss_type 'bnpo' and top_entropy_quantile < 1 define their loss per "
                "micro-batch, which is then kept whole in one row, and a micro-batch here has more tokens than the "
                "budget. Raise max_tokens_per_batch or lower per_device_train_batch_size.")
+
+
+def check_budget(prompt_lengths: Sequence[int], max_completion_length: int, budget: int | None) -> None:
+    """Refuses a budget that cannot hold the longest prompt of the split with a completion of
+    max_completion_length (the rows are planned after generation, when nothing can be done).
+
+    Raises:
+        DataError: naming the row of the longest prompt, and the budget it needs.
+    """
+    if budget is None or not len(prompt_lengths):
+        return
+    row = max(range(len(prompt_lengths)), key=lambda i: (prompt_lengths[i], -i))
+    need = int(prompt_lengths[row]) + max_completion_length
+    if need > budget:
+        raise DataError(
+            f"{row_name(row)}: its prompt of {prompt_lengths[row]} tokens and a completion of up to "
+            f"max_completion_length={max_completion_length} need {need} tokens in a packed row, over "
+            f"max_tokens_per_batch={budget}; raise max_tokens_per_batch to at least {need}, or shorten the "
+            "prompts (max_prompt_length)", row=row)
 
 
 def _parts(members: Sequence[int], groups: Sequence[int]) -> list[list[int]]:

@@ -19,6 +19,11 @@ nothing of the training loop, the backend or the logging:
     metrics, a `fusedalign.metrics.MetricSet` (or several) whose fields declare how they
     reduce.
 
+A prepared micro-batch may be a `MicroBatchParts` (a token budget below its tokens): the
+base then runs one forward and backward per part, deferring the gradient synchronisation to
+the last (`training_step`): `loss_and_metrics` sees one part at a time, `count_items` the
+whole micro-batch.
+
 The base divides `loss_sum` by the number of units in the whole optimizer step over all
 ranks, so the update does not depend on how a global batch is split across ranks and
 gradient-accumulation steps. It records metrics with `MetricsRecorder` (evaluation drops
@@ -37,8 +42,8 @@ import functools
 from typing import Any
 
 import torch
-from torch import nn
 from accelerate.utils import DistributedType
+from torch import nn
 from transformers import Trainer
 
 from fusedalign.distributed import prepare_trainer_process
@@ -57,8 +62,8 @@ from fusedalign.trainers.step_batch import (
 
 # The seam's types are re-exported here, where trainers and tests import them from.
 
-__all__ = ["CheckpointError", "FusedAlignTrainer", "MicroBatchParts", "MissingPartError", "PREPARED", "RANK_STATE_FILE", "STATE_FILE",
-           "StepBatch", "is_prepared", "require_parts"]
+__all__ = ["CheckpointError", "FusedAlignTrainer", "MicroBatchParts", "MissingPartError", "PREPARED",
+           "RANK_STATE_FILE", "STATE_FILE", "StepBatch", "is_prepared", "require_parts"]
 
 
 class FusedAlignTrainer(Trainer):
@@ -183,13 +188,12 @@ class FusedAlignTrainer(Trainer):
         if not defer or not state.sync_gradients:
             yield  # the last part, or the Trainer's loop has already deferred this micro-batch
             return
-        context = contextlib.nullcontext  # DeepSpeed: sync_gradients alone defers; sync_each_batch: nothing does
         if (self.accelerator.distributed_type == DistributedType.DEEPSPEED
                 or state.plugin_kwargs.get("sync_each_batch", False)):
-            pass
+            context = contextlib.nullcontext  # DeepSpeed: sync_gradients off defers; sync_each_batch: none does
         elif getattr(self, "is_distributed_loading_by_transformers", False) and hasattr(
                 self, "_defer_fsdp_gradient_reduction"):
-            context = self._defer_fsdp_gradient_reduction
+            context = self._defer_fsdp_gradient_reduction  # a model transformers sharded at load time
         else:
             context = functools.partial(self.accelerator.no_sync, model=model)
         state._set_sync_gradients(False)

@@ -28,6 +28,7 @@ from torch import nn
 
 from fusedalign.configs import DistillationConfig
 from fusedalign.data.grpo import collate_rows
+from fusedalign.data.grpo_packing import check_budget
 from fusedalign.data.prompts import prepare_prompt_dataset
 from fusedalign.distill_head import token_divergence
 from fusedalign.distributed import prepare_reference_model
@@ -79,6 +80,9 @@ class DistillationTrainer(GRPOTrainer):
         tokenizer = policy.tokenizer
         (train_dataset, train_split), (eval_dataset, eval_split) = (
             _prepare_split(d, tokenizer, args) for d in (train_dataset, eval_dataset))
+        if train_dataset is not None and args.padding_free:
+            check_budget([len(p) for p in train_dataset["prompt_ids"]], args.max_completion_length,
+                         args.max_tokens_per_batch)
         FusedAlignTrainer.__init__(self, model=policy.model, args=args, data_collator=collate_rows,
                                    train_dataset=train_dataset, eval_dataset=eval_dataset,
                                    processing_class=tokenizer, callbacks=callbacks)

@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader
 
 from fusedalign.configs import GRPOConfig
 from fusedalign.data.grpo import GenerationBatchSampler, collate_rows
+from fusedalign.data.grpo_packing import check_budget
 from fusedalign.data.prompts import prepare_prompt_dataset
 from fusedalign.generation import HFGenerate, KeyedSampler, Replay, StaticDecode
 from fusedalign.losses import (
@@ -82,6 +83,9 @@ class GRPOTrainer(FusedAlignTrainer):
         reward_funcs = RewardFunctions(_reward_callables(reward_funcs, args), args.reward_weights)
         (train_dataset, train_split), (eval_dataset, eval_split) = (
             self._prepare_split(d, tokenizer, args, reward_funcs) for d in (train_dataset, eval_dataset))
+        if train_dataset is not None and args.padding_free:
+            check_budget([len(p) for p in train_dataset["prompt_ids"]], args.max_completion_length,
+                         args.max_tokens_per_batch)
         super().__init__(model=policy.model, args=args, data_collator=collate_rows, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=tokenizer, callbacks=callbacks)
         self.reference = Reference.prepare(reference, self.accelerator, policy_is_peft=policy.is_peft,

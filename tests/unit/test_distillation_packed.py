@@ -38,9 +38,11 @@ def replay():
 
 @pytest.fixture(scope="module")
 def longest(prompts, replay) -> int:
-    """Tokens of the longest prompt + completion."""
+    """Tokens of the longest prompt + a completion of max_completion_length (12; the replay's are 1 to 12):
+    the smallest budget the trainer takes."""
     rows, _ = prepare_prompt_dataset(prompts, load_tokenizer(MODEL))
-    return max(len(rows[r]["prompt_ids"]) + len(replay.records[(r, 0)][0]) for r in range(ROWS))
+    assert max(len(replay.records[(r, 0)][0]) for r in range(ROWS)) == 12
+    return max(len(rows[r]["prompt_ids"]) for r in range(ROWS)) + 12
 
 
 def _args(tmp_path, **overrides) -> DistillationConfig:

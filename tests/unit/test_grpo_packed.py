@@ -13,6 +13,7 @@ from datasets import Dataset
 
 from fusedalign.configs import GRPOConfig, RLOOConfig
 from fusedalign.data import load_dataset_any
+from fusedalign.data.formats import DataError
 from fusedalign.data.grpo_packing import OVER_BUDGET, pack_completions, plan_micro_batches
 from fusedalign.data.packed_rows import group_tokens
 from fusedalign.data.prompts import prepare_prompt_dataset
@@ -76,9 +77,11 @@ def _step_advantages(seen, accumulation: int) -> list[list[float]]:
 
 @pytest.fixture(scope="module")
 def longest_completion(prompts, replay) -> int:
-    """Tokens of the longest prompt + completion: the smallest budget a run can have."""
+    """Tokens of the longest prompt + a completion of max_completion_length (12; the replay's are 1 to 12):
+    the smallest budget the trainer takes."""
     rows, _ = prepare_prompt_dataset(prompts, load_tokenizer(MODEL))
-    return max(len(rows[r]["prompt_ids"]) + len(replay.records[(r, g)][0]) for r in range(ROWS) for g in range(G))
+    assert max(len(replay.records[(r, g)][0]) for r in range(ROWS) for g in range(G)) == 12
+    return max(len(rows[r]["prompt_ids"]) for r in range(ROWS)) + 12
 
 
 def _assert_same_training(packed, padded, accumulation=2):
@@ -147,6 +150,15 @@ def test_rloo_micro_batches_over_the_budget_train_in_parts(tmp_path, prompts, re
     _assert_same_training(packed, padded, accumulation=None)
     _assert_packed(packed[2], longest_completion + 1)
     assert len(packed[2]) > len(padded[2])
+
+
+def test_a_budget_that_cannot_hold_the_longest_prompt_and_a_whole_completion_is_refused(tmp_path, prompts, replay,
+                                                                                       longest_completion):
+    with pytest.raises(DataError, match=rf"row \d+ \(from 0\): its prompt of \d+ tokens and a completion of up to "
+                                        rf"max_completion_length=12 need {longest_completion} tokens in a packed row, "
+                                        rf"over max_tokens_per_batch={longest_completion - 1}; raise"):
+        _train(tmp_path, prompts, replay, padding_free=True, max_tokens_per_batch=longest_completion - 1)
+    assert not any(tmp_path.iterdir())  # refused before anything is written
 
 
 def test_a_window_over_several_optimizer_steps_keeps_each_steps_completions(tmp_path, prompts, replay):
