@@ -69,12 +69,6 @@ def _train(tmp_path, prompts, replay, trainer_cls=GRPOTrainer, config_cls=GRPOCo
     return logs, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, seen
 
 
-def _step_advantages(seen, accumulation: int) -> list[list[float]]:
-    """Each optimizer step's advantages, sorted (packing may move completions between its micro-batches)."""
-    steps = [seen[i:i + accumulation] for i in range(0, len(seen), accumulation)]
-    return [sorted(float(a) for b in step for a in b.advantages) for step in steps]
-
-
 @pytest.fixture(scope="module")
 def longest_completion(prompts, replay) -> int:
     """Tokens of the longest prompt + a completion of max_completion_length (12; the replay's are 1 to 12):
@@ -84,7 +78,12 @@ def longest_completion(prompts, replay) -> int:
     return max(len(rows[r]["prompt_ids"]) for r in range(ROWS)) + 12
 
 
-def _assert_same_training(packed, padded, accumulation=2):
+def _step_advantages(seen) -> list[list[float]]:
+    """Each optimizer step's advantages, sorted (packing may move completions between its micro-batches)."""
+    return [sorted(float(a) for b in step for a in b.advantages) for step in seen.by_step()]
+
+
+def _assert_same_training(packed, padded):
     assert len(packed[0]) == len(padded[0]) >= 4
     for step, (a, b) in enumerate(zip(packed[0], padded[0])):
         assert set(a) == set(b)
@@ -92,11 +91,10 @@ def _assert_same_training(packed, padded, accumulation=2):
             if key in b:
                 assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (step, key)
     assert any(e.get("kl", 0) > 0 for e in padded[0])  # beta > 0 reached the loss
-    if accumulation is None:  # micro-batches in parts: the run's advantages, as a whole
-        a, b = (sorted(float(a) for batch in run[2] for a in batch.advantages) for run in (packed, padded))
+    packed_steps, padded_steps = _step_advantages(packed[2]), _step_advantages(padded[2])
+    assert len(packed_steps) == len(padded_steps) >= 4
+    for a, b in zip(packed_steps, padded_steps):
         assert a == pytest.approx(b, rel=1e-6, abs=1e-7)
-    for a, b in zip(_step_advantages(packed[2], accumulation or 1), _step_advantages(padded[2], accumulation or 1)):
-        assert accumulation is None or a == pytest.approx(b, rel=1e-6, abs=1e-7)
     for key, value in padded[1].items():
         torch.testing.assert_close(packed[1][key], value, rtol=1e-5, atol=1e-6, msg=key)
     assert any(not torch.equal(v, load_model(MODEL).state_dict()[k]) for k, v in padded[1].items())
@@ -137,7 +135,7 @@ def test_micro_batches_over_the_budget_train_in_parts_equal_to_padded_unfused(tm
         warnings.simplefilter("error")
         packed = _train(tmp_path / "k", prompts, replay, loss_type=loss_type, padding_free=True, share_prompt=True,
                         max_tokens_per_batch=budget)
-    _assert_same_training(packed, padded, accumulation=None)
+    _assert_same_training(packed, padded)
     _assert_packed(packed[2], budget)
     assert len(packed[2]) > len(padded[2])  # more forwards than micro-batches
 
@@ -147,7 +145,7 @@ def test_rloo_micro_batches_over_the_budget_train_in_parts(tmp_path, prompts, re
     padded = _train(tmp_path / "p", prompts, replay, fused_head=False, **common)
     packed = _train(tmp_path / "k", prompts, replay, padding_free=True, share_prompt=True,
                     max_tokens_per_batch=longest_completion + 1, **common)
-    _assert_same_training(packed, padded, accumulation=None)
+    _assert_same_training(packed, padded)
     _assert_packed(packed[2], longest_completion + 1)
     assert len(packed[2]) > len(padded[2])
 
@@ -161,12 +159,17 @@ def test_a_budget_that_cannot_hold_the_longest_prompt_and_a_whole_completion_is_
     assert not any(tmp_path.iterdir())  # refused before anything is written
 
 
-def test_a_window_over_several_optimizer_steps_keeps_each_steps_completions(tmp_path, prompts, replay):
-    """steps_per_generation 4, accumulation 2: completions move only within a step's micro-batches."""
+@pytest.mark.parametrize("parts", [False, True], ids=["rows", "parts"])
+def test_a_window_over_several_optimizer_steps_keeps_each_steps_completions(tmp_path, prompts, replay,
+                                                                           longest_completion, parts):
+    """steps_per_generation 4, accumulation 2: completions move only within a step's micro-batches (also
+    when a budget of one completion trains them in parts)."""
     common = dict(loss_type="dapo", per_device_train_batch_size=2, steps_per_generation=4, max_steps=4)
+    budget = dict(max_tokens_per_batch=longest_completion) if parts else {}
     padded = _train(tmp_path / "p", prompts, replay, fused_head=False, **common)
-    packed = _train(tmp_path / "k", prompts, replay, padding_free=True, share_prompt=True, **common)
+    packed = _train(tmp_path / "k", prompts, replay, padding_free=True, share_prompt=True, **budget, **common)
     _assert_same_training(packed, padded)
+    assert (len(packed[2]) > len(padded[2])) == parts
 
 
 def test_packed_shared_prompt_rloo_equals_padded_unfused(tmp_path, prompts, replay, longest_group):
