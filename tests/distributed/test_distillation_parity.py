@@ -10,7 +10,9 @@ unfused on every backend; `softcap_lora`, reverse KL (beta 1) from a soft-capped
 (tiny-gemma2) into a student with LoRA on q/v and on its head, fused; `packed`, the `jsd` run
 on packed rows (padding_free, a token budget: each rank's 4 sequences of a step in its 2
 forwards, 2 ranks x accumulation 2 x batch 2), fused, against the padded unfused 1 x 1 x 8
-run, the teacher and the student reading the same row. Per step: the loss and
+run, the teacher and the student reading the same row; `packed_parts`, the same with one micro-batch
+a step and a budget of one sequence (21 tokens), so that each micro-batch is trained in parts,
+one forward of each model and one backward a part, as many on each rank. Per step: the loss and
 the entropy; at the end every weight, to 1e-5. The normaliser is the step's completion tokens
 over both ranks, and rank 0's and rank 1's rows hold different numbers of tokens.
 """
@@ -24,6 +26,7 @@ from tests.distributed.parity import BACKENDS, assert_same_training, lazy_runs, 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 BASE = {"trainer": "distillation", "steps": 3, "lr": 0.5}
+PARTS_BUDGET = 21  # the longest prompt (9 tokens) + max_completion_length (12): the least it takes
 JSD = {**BASE, "beta": 0.5, "temperature": 0.8}
 SOFTCAP = {**BASE, "beta": 1.0, "teacher": "builtin:tiny-gemma2", "peft": True,
            "lora_target_modules": ["q_proj", "v_proj", "lm_head"]}
@@ -37,7 +40,9 @@ _scenarios = [({**JSD, "name": "jsd", "fused": True, "per_device_batch": 4}, "js
               ({**JSD, "name": "jsd_unfused", "fused": False, "per_device_batch": 4}, "jsd"),
               ({**SOFTCAP, "name": "softcap_lora", "fused": True, "per_device_batch": 4}, "softcap_lora"),
               ({**JSD, "name": "packed", "fused": True, "per_device_batch": 2, "grad_accum": 2, "padding_free": True,
-                "max_tokens_per_batch": 40}, "jsd")]
+                "max_tokens_per_batch": 40}, "jsd"),
+              ({**JSD, "name": "packed_parts", "fused": True, "per_device_batch": 4, "grad_accum": 1,
+                "padding_free": True, "max_tokens_per_batch": PARTS_BUDGET}, "jsd")]
 SCENARIOS = {backend: _scenarios for backend in BACKENDS}
 CASES = [(backend, spec["name"], want) for backend in BACKENDS for spec, want in SCENARIOS[backend]]
 
@@ -66,5 +71,8 @@ def test_backend_equals_single_process_unfused(runs, backend, name, want):
     got, baseline = runs(backend), runs(None)
     assert_same_training(got, name, baseline, want, backend=backend)
     _assert_same_entropy(result(got, name), result(baseline, want))
-    packed = "PackedDistillationBatch" if name == "packed" else "DistillationBatch"
+    packed = "PackedDistillationBatch" if name.startswith("packed") else "DistillationBatch"
     assert result(got, name)["batch_types"] == [packed], result(got, name)["batch_types"]
+    if name == "packed_parts":  # each step's one micro-batch in parts, as many on each rank, none over the budget
+        forwards, largest = result(got, name)["forwards_per_rank"], result(got, name)["largest_forward_per_rank"]
+        assert forwards[0] == forwards[1] > 3 and max(largest) <= PARTS_BUDGET, (forwards, largest)

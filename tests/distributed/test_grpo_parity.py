@@ -41,7 +41,7 @@ LORA = {"peft": True, "lora_target_modules": ["q_proj", "v_proj", "lm_head"], "i
 # Rank 0 generates for the first prompt of each generation batch (rows 0, 2, 4 in 3 steps):
 # all their completions truncated and masked; rank 1's rows keep loss tokens.
 MASKED_ROWS = [0, 2, 4]
-PARTS_BUDGET = 20
+PARTS_BUDGET = 21  # the longest prompt (9 tokens) + max_completion_length (12): the least it takes
 MASKED_RANK0 = {"truncate_rows": MASKED_ROWS, "mask_truncated_completions": True, "top_entropy_quantile": 0.5}
 
 BASELINE = [
@@ -88,7 +88,7 @@ _packed = ({**GRPO, "name": "packed_kl_mu2", "fused": True, "per_device_batch": 
             "max_tokens_per_batch": 80}, "grpo_kl_mu2")
 # The same with gradient checkpointing (non-reentrant): recomputed layers over packed rows.
 _packed_ckpt = ({**_packed[0], "name": "packed_kl_mu2_ckpt", "gradient_checkpointing": True}, "grpo_kl_mu2")
-# A budget (20) below a prompt group (4 completions, 24-45 tokens): each rank's step needs 2 to 4 rows for
+# A budget (21) below a prompt group (4 completions, 24-45 tokens): each rank's step needs 2 to 4 rows for
 # its 2 micro-batches, so each micro-batch is trained in parts, one forward and backward each, as many
 # on every rank (the most either needs), the gradient sync deferred to the last part.
 _parts = ({**_packed[0], "name": "packed_parts_kl_mu2", "max_tokens_per_batch": PARTS_BUDGET}, "grpo_kl_mu2")
