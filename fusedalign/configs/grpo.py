@@ -74,12 +74,13 @@ class GRPOConfig(FusedAlignConfig):
     max_tokens_per_batch: int | None = field(
         default=None,
         metadata={"help": "With padding_free: the completions of each optimizer step (the same ones as padded "
-                  "batches) are regrouped by prompt and packed into rows of at most this many tokens "
-                  "(a group split when it alone is over), one row a micro-batch where the step's "
-                  "gradient_accumulation_steps forwards hold them, else each micro-batch trained as several rows, "
-                  "one forward and backward each, so memory stays that of one row. Same update as padded batches (bnpo and top_entropy_quantile, "
-                  "defined per micro-batch, keep each micro-batch's completions). Must hold one prompt of "
-                  "max_prompt_length and a completion of max_completion_length."})
+                  "batches) are regrouped by prompt and packed into rows of at most this many tokens (a group "
+                  "split when it alone is over), one row a micro-batch where the step's "
+                  "gradient_accumulation_steps forwards hold them, else each micro-batch trained as several "
+                  "rows, one forward and backward each, so memory stays that of one row. Same update as padded "
+                  "batches (bnpo, defined per micro-batch, keeps each micro-batch's completions; "
+                  "top_entropy_quantile keeps each micro-batch in one row). Must hold the longest prompt and a "
+                  "completion of max_completion_length."})
     temperature: float = field(default=1.0)
     top_p: float = field(default=1.0)
     top_k: int = field(default=0, metadata={"help": "0: no top-k filtering."})

@@ -19,9 +19,11 @@ k of them (k the fewest that hold the chunk's rows on the rank that has the most
 every rank runs as many forwards, as DeepSpeed and FSDP2 need; the others split their rows
 further) and is trained as k forwards, each with its own backward
 (`trainers.step_batch.MicroBatchParts`): memory stays that of one row of the budget, however
-long the completions. Loss terms defined per micro-batch (bnpo's token mean,
-top_entropy_quantile's threshold) keep the padded micro-batches, one row each, instead (with
-a warning when one is over the budget).
+long the completions. bnpo's token mean is defined per micro-batch: its micro-batches keep
+their completions (regrouped within, and in parts when over the budget, each part divided by
+the whole micro-batch's tokens); top_entropy_quantile's threshold is taken over a micro-batch
+in one forward, so its padded micro-batches stay one row each (with a warning when one is over
+the budget).
 
 `pack_completions` lays one micro-batch out as a row (`data.packed_rows`): sequence i is
 the micro-batch's i-th completion, whatever its place in the row.
@@ -39,9 +41,9 @@ from .formats import DataError, row_name
 from .packed_rows import PackedRows, _Row, group_tokens
 from .packing import _bins
 
-OVER_BUDGET = ("max_tokens_per_batch: loss_type 'bnpo' and top_entropy_quantile < 1 define their loss per "
-               "micro-batch, which is then kept whole in one row, and a micro-batch here has more tokens than the "
-               "budget. Raise max_tokens_per_batch or lower per_device_train_batch_size.")
+OVER_BUDGET = ("max_tokens_per_batch: top_entropy_quantile < 1 takes its entropy threshold over each whole "
+               "micro-batch, which is then kept in one row, and a micro-batch here has more tokens than the budget. "
+               "Raise max_tokens_per_batch or lower per_device_train_batch_size.")
 
 
 def check_budget(prompt_lengths: Sequence[int], max_completion_length: int, budget: int | None) -> None:
@@ -73,7 +75,7 @@ def _parts(members: Sequence[int], groups: Sequence[int]) -> list[list[int]]:
 
 def plan_micro_batches(order: Sequence[int], micro: int, chunk: int, groups: Sequence[int], prompt_lengths: Sequence[int],
                        completion_lengths: Sequence[int], *, share_prompt: bool, budget: int | None,
-                       keep_membership: bool,
+                       keep_membership: bool, one_row: bool = False,
                        rows_needed: Callable[[list[int]], list[int]] | None = None) -> list[list[list[int]]]:
     """The micro-batches of a window, each as its rows, each row a list of completion indices (module docstring).
 
@@ -86,7 +88,10 @@ def plan_micro_batches(order: Sequence[int], micro: int, chunk: int, groups: Seq
         prompt_lengths, completion_lengths: tokens of each completion's prompt and completion.
         share_prompt: a group's completions in one row share one copy of the prompt.
         budget: max_tokens_per_batch, or None.
-        keep_membership: keep the padded micro-batches, one row each (loss terms defined per micro-batch).
+        keep_membership: keep each padded micro-batch's completions together (a loss term defined per
+            micro-batch: bnpo's token mean), regrouped by prompt and, over the budget, in parts.
+        one_row: keep each padded micro-batch as it is, one row (top_entropy_quantile's threshold is taken
+            over the whole micro-batch in one forward), with a warning when one is over the budget.
         rows_needed: with a budget, maps this rank's rows of the budget per chunk to the largest number
             any rank has (every rank must run as many forwards); default: this rank's (one process).
     """
@@ -95,10 +100,12 @@ def plan_micro_batches(order: Sequence[int], micro: int, chunk: int, groups: Seq
     def tokens(part: list[int]) -> int:
         return group_tokens(prompt_lengths[part[0]], [completion_lengths[i] for i in part], share_prompt)
 
-    if keep_membership:
+    if one_row:
         if budget is not None and any(sum(tokens(p) for p in _parts(r, groups)) > budget for r in padded):
             warnings.warn(OVER_BUDGET, stacklevel=2)
         return [[r] for r in padded]
+    if keep_membership:
+        chunk = 1
 
     chunks = []
     for first in range(0, len(padded), chunk):

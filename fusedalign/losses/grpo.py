@@ -122,6 +122,7 @@ def grpo_loss(
     entropy_mask: Tensor | None = None,
     is_ratio: Tensor | None = None,
     entropy_weight: float | Tensor = 0.0,
+    micro_batch_tokens: Tensor | None = None,
 ) -> GRPOLossOutput:
     """The micro-batch's GRPO loss sum, its items and its metrics.
 
@@ -139,6 +140,8 @@ def grpo_loss(
         entropy_weight: with a differentiable `entropy`, loss_sum -= entropy_weight *
             sum_t H m_eff; `entropy_weight(coef, step_items, step_tokens)` makes it the
             bonus coef * (mean entropy of the step's tokens).
+        micro_batch_tokens: when these rows are a part of a micro-batch trained in parts, the whole
+            micro-batch's loss tokens: bnpo's divisor (its mean is the micro-batch's); None: sum m.
 
     Formula:
         L = term(r, A) (* entropy_mask) (* is_ratio, not vespo) + beta * kl
@@ -162,7 +165,10 @@ def grpo_loss(
             raise ValueError("beta != 0 needs the reference log-probs (ref_logps)")
         kl = k3_kl(logps, ref_logps, coef if o.use_bias_correction_kl else None)
         L = L + o.beta * kl
-    loss_sum = AGGREGATIONS[o.loss_type].loss_sum(L, m, o)
+    if o.loss_type == "bnpo" and micro_batch_tokens is not None:
+        loss_sum = (L * m).sum() / micro_batch_tokens.to(L.dtype).clamp(min=1.0)
+    else:
+        loss_sum = AGGREGATIONS[o.loss_type].loss_sum(L, m, o)
     if entropy is not None and not (isinstance(entropy_weight, float) and entropy_weight == 0.0):
         effective = m if entropy_mask is None else m * entropy_mask.to(m.dtype)
         loss_sum = loss_sum - entropy_weight * (entropy * effective).sum()

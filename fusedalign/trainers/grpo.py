@@ -188,6 +188,7 @@ class GRPOTrainer(FusedAlignTrainer):
             out.logps, mask, batch.advantages, self.loss_options, old_logps=batch.old_logps, ref_logps=batch.ref_logps,
             entropy=out.entropy, entropy_mask=entropy_mask,
             entropy_weight=0.0 if batch.entropy_weight is None else batch.entropy_weight,
+            micro_batch_tokens=batch.micro_batch_tokens,
         )
         return result.loss_sum, result.metrics
 

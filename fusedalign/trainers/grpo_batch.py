@@ -72,6 +72,11 @@ class GRPOMicroBatch(StepBatch):
         """The forward's keyword arguments and its targets (the same for the policy, old policy and reference)."""
         return self.model_inputs, self.labels
 
+    @property
+    def micro_batch_tokens(self) -> None:
+        """A padded micro-batch is never in parts: bnpo divides by its own loss tokens."""
+        return None
+
     def per_completion(self, values: Tensor | None) -> Tensor | None:
         """Per-token values of the forward [b, T] as the loss reads them (here: as they are)."""
         return values

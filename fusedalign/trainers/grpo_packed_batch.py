@@ -24,6 +24,7 @@ from fusedalign.trainers.grpo_batch import _WHY
 from fusedalign.trainers.step_batch import MicroBatchParts, StepBatch, require_parts
 
 _ROW_FIELDS = [f.name for f in dataclasses.fields(PackedRows) if f.name != "_forward"]
+_TENSOR_FIELDS = ("positions", "advantages", "old_logps", "ref_logps", "entropy_weight", "micro_batch_tokens")
 
 
 def rows_to(rows: PackedRows, device: torch.device | str) -> PackedRows:
@@ -45,6 +46,8 @@ class PackedGRPOMicroBatch(StepBatch):
         advantages: [n].
         old_logps, ref_logps: [n, C] or None, as GRPOMicroBatch's.
         entropy_weight: [] or None, as GRPOMicroBatch's.
+        micro_batch_tokens: [] the loss tokens of the whole micro-batch when this is one of its parts
+            (`PackedGRPOParts`, which sets it on every part: bnpo's divisor); None for a whole one.
     """
 
     rows: PackedRows
@@ -53,6 +56,7 @@ class PackedGRPOMicroBatch(StepBatch):
     old_logps: Tensor | None = None
     ref_logps: Tensor | None = None
     entropy_weight: Tensor | None = None
+    micro_batch_tokens: Tensor | None = None
 
     def __post_init__(self):
         shape = tuple(self.positions.shape)
@@ -91,7 +95,7 @@ class PackedGRPOMicroBatch(StepBatch):
         return dataclasses.replace(self, **parts)
 
     def to(self, device: torch.device | str) -> "PackedGRPOMicroBatch":
-        tensors = {k: getattr(self, k) for k in ("positions", "advantages", "old_logps", "ref_logps", "entropy_weight")}
+        tensors = {k: getattr(self, k) for k in _TENSOR_FIELDS}
         return dataclasses.replace(self, rows=rows_to(self.rows, device),
                                    **{k: None if v is None else v.to(device) for k, v in tensors.items()})
 
@@ -104,8 +108,7 @@ class PackedGRPOMicroBatch(StepBatch):
     def state(self) -> dict[str, Any]:
         """Its tensors on the CPU (for a checkpoint); `rows` holds the row's."""
         cpu = lambda v: None if v is None else v.detach().cpu()  # noqa: E731
-        state = {k: cpu(getattr(self, k)) for k in ("positions", "advantages", "old_logps", "ref_logps",
-                                                       "entropy_weight")}
+        state = {k: cpu(getattr(self, k)) for k in _TENSOR_FIELDS}
         state["rows"] = {name: cpu(getattr(self.rows, name)) for name in _ROW_FIELDS}
         return state
 
@@ -121,6 +124,19 @@ class PackedGRPOParts(MicroBatchParts):
     as one forward and backward per row (`step_batch.MicroBatchParts`)."""
 
     parts: tuple[PackedGRPOMicroBatch, ...]
+
+    def __post_init__(self):
+        super().__post_init__()
+        total = self.loss_mask.sum()
+        if any(p.micro_batch_tokens is None or int(p.micro_batch_tokens) != int(total) for p in self.parts):
+            raise ValueError(f"PackedGRPOParts: every part must carry the micro-batch's {int(total)} loss tokens "
+                             "(micro_batch_tokens)")
+
+    @classmethod
+    def of(cls, parts: list[PackedGRPOMicroBatch]) -> "PackedGRPOParts":
+        """The micro-batch of these parts, each told the whole micro-batch's loss tokens."""
+        total = sum(p.loss_mask.sum() for p in parts)
+        return cls(tuple(p.replace(micro_batch_tokens=total) for p in parts))
 
     def replace(self, **parts: Any) -> "PackedGRPOParts":
         """`advantages` [n] are cut per part in completion order; every other part is given to each."""
@@ -151,7 +167,8 @@ class PackedLayout:
         groups: the prompt group of each completion (its place in the whole generation batch // G).
         share_prompt, budget: the config's `share_prompt` and `max_tokens_per_batch` (None in evaluation).
         chunk: micro-batches between which completions may move (1 in evaluation: one micro-batch).
-        keep_membership: the loss has a term defined per micro-batch (bnpo, top_entropy_quantile).
+        keep_membership: the loss is defined per micro-batch (bnpo): completions stay in theirs.
+        one_row: a micro-batch is one forward (top_entropy_quantile's threshold): kept as it is.
     """
 
     prompts: list
@@ -161,30 +178,34 @@ class PackedLayout:
     budget: int | None
     chunk: int
     keep_membership: bool
+    one_row: bool
 
     @classmethod
     def of(cls, args: Any, mode: str, offset: int, prompt_ids: list, out: Any) -> "PackedLayout":
         train = mode == "train"
         G = args.num_generations if train else (args.num_generations_eval or args.num_generations)
         completions = [list(c) for c in out.completion_ids]
-        keep = getattr(args, "loss_type", None) == "bnpo" or getattr(args, "top_entropy_quantile", 1.0) < 1.0
+        one_row = getattr(args, "top_entropy_quantile", 1.0) < 1.0
+        keep = getattr(args, "loss_type", None) == "bnpo" or one_row
         return cls(prompt_ids, completions, [(offset + j) // G for j in range(len(completions))], args.share_prompt,
                    args.max_tokens_per_batch if train else None,
-                   window_chunk(args.steps_per_generation, args.gradient_accumulation_steps) if train else 1, keep)
+                   window_chunk(args.steps_per_generation, args.gradient_accumulation_steps) if train else 1, keep,
+                   one_row)
 
     def plan(self, order: list[int], micro: int, rows_needed: Any = None) -> list[list[list[int]]]:
         """The micro-batches, each as its rows of completion indices, as many as the padded cut of `order`
         into `micro` (`rows_needed`: as `plan_micro_batches`')."""
         return plan_micro_batches(order, micro, self.chunk, self.groups, [len(p) for p in self.prompts],
                                   [len(c) for c in self.completions], share_prompt=self.share_prompt,
-                                  budget=self.budget, keep_membership=self.keep_membership, rows_needed=rows_needed)
+                                  budget=self.budget, keep_membership=self.keep_membership, one_row=self.one_row,
+                                  rows_needed=rows_needed)
 
     def micro_batch(self, rows: list[list[int]], loss_rows: Tensor | None,
                     device: Any) -> PackedGRPOMicroBatch | PackedGRPOParts:
         """The micro-batch of the completions in `rows` (advantages still 0): one packed row, or parts
         of one row each; `loss_rows` [n] bool or None: all."""
         if len(rows) > 1:
-            return PackedGRPOParts(tuple(self.micro_batch([idx], loss_rows, device) for idx in rows))
+            return PackedGRPOParts.of([self.micro_batch([idx], loss_rows, device) for idx in rows])
         idx = rows[0]
         scored = [True] * len(idx) if loss_rows is None else [bool(loss_rows[i]) for i in idx]
         rows, positions = pack_completions([self.prompts[i] for i in idx], [self.completions[i] for i in idx],

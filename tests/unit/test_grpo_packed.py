@@ -109,21 +109,23 @@ def _assert_packed(seen, budget: int | None):
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_packed_shared_prompt_grpo_equals_padded_unfused(tmp_path, prompts, replay, longest_group, loss_type):
+    """A budget just above the longest group: each step's two groups are regrouped whole, one a row. bnpo's
+    micro-batches keep their completions (its mean is per micro-batch), regrouped by prompt within, in
+    parts where they do not fit one row."""
     budget = longest_group + 1
     padded = _train(tmp_path / "p", prompts, replay, loss_type=loss_type, fused_head=False)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         packed = _train(tmp_path / "k", prompts, replay, loss_type=loss_type, padding_free=True, share_prompt=True,
                         max_tokens_per_batch=budget)
-    assert any(str(w.message) == OVER_BUDGET for w in caught) == (loss_type == "bnpo")
     _assert_same_training(packed, padded)
-    _assert_packed(packed[2], None if loss_type == "bnpo" else budget)  # bnpo keeps the padded micro-batches
-    # The groups are regrouped whole (two per window, one a row) unless the loss is defined per micro-batch.
-    regrouped = [len(set(b.rows.sequence_group.tolist())) == 1 for b in packed[2]]
-    assert all(regrouped) == (loss_type != "bnpo")
+    _assert_packed(packed[2], budget)
+    if loss_type != "bnpo":
+        assert all(len(set(b.rows.sequence_group.tolist())) == 1 for b in packed[2])  # one group a row
+        assert len(packed[2]) == len(padded[2])  # one row a micro-batch
 
 
-@pytest.mark.parametrize("loss_type", [t for t in LOSS_TYPES if t != "bnpo"])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_micro_batches_over_the_budget_train_in_parts_equal_to_padded_unfused(tmp_path, prompts, replay,
                                                                               longest_completion, loss_type):
     """A budget just above the longest prompt + completion: a step's 8 completions need more rows than
@@ -138,6 +140,18 @@ def test_micro_batches_over_the_budget_train_in_parts_equal_to_padded_unfused(tm
     _assert_same_training(packed, padded)
     _assert_packed(packed[2], budget)
     assert len(packed[2]) > len(padded[2])  # more forwards than micro-batches
+
+
+def test_top_entropy_quantile_keeps_each_micro_batch_in_one_forward(tmp_path, prompts, replay, longest_completion):
+    """Its threshold is a quantile over a whole micro-batch's entropies (every rank's), so a micro-batch
+    over the budget stays one row, with a warning, and training equals padded training."""
+    common = dict(loss_type="dapo", top_entropy_quantile=0.5)
+    padded = _train(tmp_path / "p", prompts, replay, fused_head=False, **common)
+    with pytest.warns(UserWarning, match="max_tokens_per_batch: top_entropy_quantile"):
+        packed = _train(tmp_path / "k", prompts, replay, padding_free=True, share_prompt=True,
+                        max_tokens_per_batch=longest_completion, **common)
+    _assert_same_training(packed, padded)
+    assert len(packed[2]) == len(padded[2]) and max(b.rows.forward_tokens() for b in packed[2]) > longest_completion
 
 
 def test_rloo_micro_batches_over_the_budget_train_in_parts(tmp_path, prompts, replay, longest_completion):
@@ -214,7 +228,8 @@ def test_plan_keeps_the_forward_count_and_each_chunks_completions():
         assert sorted(_flat(plan[c]) + _flat(plan[c + 1])) == sorted(order[4 * c:4 * c + 8])
     kept = plan_micro_batches(order, 4, 2, groups, [5] * 16, lengths, share_prompt=True, budget=None,
                               keep_membership=True)
-    assert kept == [[order[i:i + 4]] for i in range(0, 16, 4)]
+    assert [len(b) for b in kept] == [1] * 4  # each padded micro-batch's completions, regrouped by prompt
+    assert [sorted(b[0]) for b in kept] == [sorted(order[i:i + 4]) for i in range(0, 16, 4)]
 
 
 def test_plan_fills_the_budget_and_trains_what_a_step_cannot_hold_in_parts():
@@ -226,7 +241,7 @@ def test_plan_fills_the_budget_and_trains_what_a_step_cannot_hold_in_parts():
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             return plan_micro_batches(list(range(8)), micro, chunk, groups, [4] * 8, lengths, share_prompt=True,
-                                      budget=budget, keep_membership=False, **kwargs)
+                                      budget=budget, **{"keep_membership": False, **kwargs})
 
     fits = plan(2, 4, 2 * size)
     assert [len(b) for b in fits] == [1] * 4 and all(len(b[0]) == 2 for b in fits)  # 2 bins split into 4 rows
@@ -241,11 +256,21 @@ def test_plan_fills_the_budget_and_trains_what_a_step_cannot_hold_in_parts():
     assert sorted(_flat(sum(more, []))) == list(range(8)) and max(row(r) for b in more for r in b) <= size
     # The rows are dealt fullest first to the lightest micro-batch: the two have equal loads here.
     assert sum(row(r) for r in more[0]) == sum(row(r) for r in more[1])
-    # Loss terms defined per micro-batch keep the padded micro-batches, one row each, and warn when over.
-    with pytest.warns(UserWarning, match="max_tokens_per_batch"):
-        kept = plan_micro_batches(list(range(8)), 4, 2, groups, [4] * 8, lengths, share_prompt=True, budget=size,
-                                  keep_membership=True)
-    assert kept == [[[0, 1, 2, 3]], [[4, 5, 6, 7]]]
+    # A loss defined per micro-batch (bnpo) keeps each micro-batch's completions, in parts when over.
+    order = [0, 4, 1, 5, 2, 6, 3, 7]  # each padded micro-batch: two completions of each of two groups
+    kept = plan(4, 2, size, keep_membership=True)
+    assert [sorted(_flat(b)) for b in plan(4, 2, 4 * size, keep_membership=True)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [sorted(_flat(b)) for b in kept] == [[0, 1, 2, 3], [4, 5, 6, 7]] and [len(b) for b in kept] == [2, 2]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mixed = plan_micro_batches(order, 4, 2, groups, [4] * 8, lengths, share_prompt=True, budget=size,
+                                   keep_membership=True)
+    assert [sorted(_flat(b)) for b in mixed] == [[0, 1, 4, 5], [2, 3, 6, 7]]  # the padded cut, regrouped within
+    # top_entropy_quantile's threshold needs each micro-batch in one forward: kept as it is, with a warning.
+    with pytest.warns(UserWarning, match="max_tokens_per_batch: top_entropy_quantile"):
+        whole = plan_micro_batches(order, 4, 2, groups, [4] * 8, lengths, share_prompt=True, budget=size,
+                                   keep_membership=True, one_row=True)
+    assert whole == [[[0, 4, 1, 5]], [[2, 6, 3, 7]]]
     assert OVER_BUDGET.startswith("max_tokens_per_batch")
 
 

@@ -497,3 +497,29 @@ def test_metrics_do_not_depend_on_the_split(lt, level):
     assert set(split) == set(whole) and "entropy" in whole
     for name, value in whole.items():
         assert split[name] == pytest.approx(value, rel=1e-12, abs=1e-12), name
+
+
+def test_bnpo_in_parts_divides_by_the_whole_micro_batchs_tokens():
+    """A micro-batch trained in parts (a token budget): each part's bnpo sum over the micro-batch's loss
+    tokens, so the parts' sums add up to the whole micro-batch's, values and gradients."""
+    g = torch.Generator().manual_seed(3)
+    lengths = [4, 1, 0, 3, 2]
+    B, T = len(lengths), max(lengths)
+    mask = torch.zeros(B, T, dtype=torch.float64)
+    for i, n in enumerate(lengths):
+        mask[i, :n] = 1
+    lp = (-torch.rand(B, T, generator=g, dtype=torch.float64) * mask).requires_grad_()
+    old = (lp.detach() + 0.2 * (torch.rand(B, T, generator=g, dtype=torch.float64) - 0.5)) * mask
+    adv = torch.randn(B, generator=g, dtype=torch.float64)
+    o = GRPOOptions(loss_type="bnpo", max_completion_length=L_MAX)
+    whole = grpo_loss(lp * mask, mask, adv, o, old_logps=old).loss_sum
+    tokens = mask.sum()
+    parts = [[0, 1], [2, 3, 4]]
+    split = sum(grpo_loss(lp[p] * mask[p], mask[p], adv[p], o, old_logps=old[p], micro_batch_tokens=tokens).loss_sum
+                for p in parts)
+    assert split.item() == pytest.approx(whole.item(), rel=1e-12)
+    (g_whole,) = torch.autograd.grad(whole, lp)
+    (g_split,) = torch.autograd.grad(split, lp)
+    torch.testing.assert_close(g_split, g_whole, rtol=1e-12, atol=1e-15)
+    alone = sum(grpo_loss(lp[p] * mask[p], mask[p], adv[p], o, old_logps=old[p]).loss_sum for p in parts)
+    assert alone.item() != pytest.approx(whole.item(), rel=1e-6)  # each part's own mean is another loss
