@@ -251,7 +251,9 @@ def run(spec: dict, out_root: str) -> None:
     # one of them held (packed rows).
     import torch
 
-    counts = [len(micro_batches), max((batch.forward_tokens() for batch in micro_batches), default=0)]
+    tokens = [batch.forward_tokens() if hasattr(batch, "forward_tokens") else int(batch["input_ids"].numel())
+              for batch in micro_batches]  # typed batches; SFT's are dicts
+    counts = [len(micro_batches), max(tokens, default=0)]
     gathered = trainer.accelerator.gather(torch.tensor([counts], device=trainer.accelerator.device)).tolist()
     result["forwards_per_rank"] = [row[0] for row in gathered]
     result["largest_forward_per_rank"] = [row[1] for row in gathered]
