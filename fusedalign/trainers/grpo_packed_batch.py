@@ -127,10 +127,9 @@ class PackedGRPOParts(MicroBatchParts):
 
     def __post_init__(self):
         super().__post_init__()
-        total = self.loss_mask.sum()
-        if any(p.micro_batch_tokens is None or int(p.micro_batch_tokens) != int(total) for p in self.parts):
-            raise ValueError(f"PackedGRPOParts: every part must carry the micro-batch's {int(total)} loss tokens "
-                             "(micro_batch_tokens)")
+        if any(p.micro_batch_tokens is None for p in self.parts):  # its value is set by `of` (no device read here)
+            raise ValueError("PackedGRPOParts: every part must carry the micro-batch's loss tokens "
+                             "(micro_batch_tokens); build it with PackedGRPOParts.of")
 
     @classmethod
     def of(cls, parts: list[PackedGRPOMicroBatch]) -> "PackedGRPOParts":

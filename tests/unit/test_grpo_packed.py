@@ -19,7 +19,7 @@ from fusedalign.data.packed_rows import group_tokens
 from fusedalign.data.prompts import prepare_prompt_dataset
 from fusedalign.models import load_model, load_tokenizer
 from fusedalign.trainers.grpo import GRPOTrainer
-from fusedalign.trainers.grpo_packed_batch import PackedGRPOMicroBatch
+from fusedalign.trainers.grpo_packed_batch import PackedGRPOMicroBatch, PackedGRPOParts
 from fusedalign.trainers.rloo import RLOOTrainer
 from tests.grpo_replay import token_sum_reward, uneven_replay
 from tests.micro_batches import record_micro_batches
@@ -272,6 +272,25 @@ def test_plan_fills_the_budget_and_trains_what_a_step_cannot_hold_in_parts():
                                    keep_membership=True, one_row=True)
     assert whole == [[[0, 4, 1, 5]], [[2, 6, 3, 7]]]
     assert OVER_BUDGET.startswith("max_tokens_per_batch")
+
+
+def test_a_micro_batch_in_parts_cuts_its_advantages_and_carries_its_loss_tokens_in_every_part():
+    def part(prompts, completions, groups):
+        rows, positions = pack_completions(prompts, completions, groups, [True] * len(completions), share_prompt=True)
+        return PackedGRPOMicroBatch(rows, positions, torch.zeros(len(completions)))
+
+    a, b = part([[1, 2, 3]] * 2, [[4, 5], [6]], [0, 0]), part([[7, 8]], [[9, 10, 11]], [1])
+    with pytest.raises(ValueError, match="micro_batch_tokens"):
+        PackedGRPOParts((a, b))
+    batch = PackedGRPOParts.of([a, b])
+    assert [int(p.micro_batch_tokens) for p in batch.parts] == [6, 6] and batch.sizes == [2, 1]
+    assert batch.loss_mask.tolist() == [[True, True, False], [True, False, False], [True, True, True]]
+    batch = batch.replace(advantages=torch.tensor([0.5, -1.0, 2.0]), entropy_weight=torch.tensor(0.1))
+    assert [p.advantages.tolist() for p in batch.parts] == [[0.5, -1.0], [2.0]]
+    assert all(float(p.entropy_weight) == pytest.approx(0.1) for p in batch.parts)
+    back = PackedGRPOParts.from_state(batch.state())
+    assert [p.advantages.tolist() for p in back.parts] == [[0.5, -1.0], [2.0]]
+    assert [int(p.micro_batch_tokens) for p in back.parts] == [6, 6] and back.forward_tokens() == batch.forward_tokens()
 
 
 def test_packed_completions_read_back_per_completion():
