@@ -11,7 +11,9 @@ its own subprocess.
 Reported per configuration: completions/s (completions a step over the median timed
 step), the share of the step spent generating (the time inside the trainer's generate
 call, after a synchronize) and training (the rest: scoring, log-probs, backward,
-optimizer), the mean completion length the trainer logged, and peak memory.
+optimizer), the mean completion length the trainer logged, the backbone's tokens per unique
+token and its forwards a step outside generation (policy, old-policy and reference passes;
+a micro-batch over the token budget runs one per part), and peak memory.
 
 Examples:
     python benchmarks/e2e_grpo.py                                   # GPU: trl and ours
@@ -120,6 +122,7 @@ class BackboneTokens:
 
     def __init__(self):
         self.total, self.at_begin, self.per_step = 0, 0, []
+        self.calls, self.calls_at_begin, self.calls_per_step = 0, 0, []
 
     def count(self, module, args, kwargs) -> None:
         if ending.decoding(kwargs):
@@ -127,12 +130,14 @@ class BackboneTokens:
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is not None:
             self.total += ids.numel()
+            self.calls += 1
 
     def begin(self, step: int) -> None:
-        self.at_begin = self.total
+        self.at_begin, self.calls_at_begin = self.total, self.calls
 
     def end(self, step: int, seconds: float) -> None:
         self.per_step.append(self.total - self.at_begin)
+        self.calls_per_step.append(self.calls - self.calls_at_begin)
 
 
 def tokens_per_unique(args, backbone: BackboneTokens, logs: list[dict]) -> float | None:
@@ -161,7 +166,12 @@ def run_worker(args) -> int:
         backbone = BackboneTokens()
         trainer.model.register_forward_pre_hook(backbone.count, with_kwargs=True)
         callback.hooks.append(backbone)
-        return lambda: {"tokens_per_unique": tokens_per_unique(args, backbone, callback.logs)}
+        def more() -> dict:
+            timed = backbone.calls_per_step[args.warmup_steps:args.total_steps]
+            return {"tokens_per_unique": tokens_per_unique(args, backbone, callback.logs),
+                    "forwards_per_step": statistics.median(timed) if timed else None}
+
+        return more
 
     return rollout.run_worker(args, run.name, build, args.prompts * args.num_generations, instrument)
 
@@ -172,22 +182,21 @@ def table(args, results: dict) -> str:
     for name in args.configs:
         r = results.get(name, {"status": "not run", "reason": "not run"})
         if r.get("status") != "ok":
-            rows.append([name, r.get("reason") or f"{r['status']}: {r.get('error', '')[:80]}", "", "", "", "", "", "",
-                         ""])
+            rows.append([name, r.get("reason") or f"{r['status']}: {r.get('error', '')[:80]}"] + [""] * 8)
             continue
         share = r.get("generation_share")
         rows.append([name, f"{r['completions_per_s']:,.1f}", f"{r['median_step_s']:.2f}",
                      fmt(None if share is None else 100 * share, ".0f"),
                      fmt(None if share is None else 100 * (1 - share), ".0f"),
                      fmt(r.get("mean_completion_length"), ".0f"), fmt(r.get("tokens_per_unique"), ".2f"),
-                     fmt(r.get("peak_gib"), ".1f"),
+                     fmt(r.get("forwards_per_step"), ".0f"), fmt(r.get("peak_gib"), ".1f"),
                      ratio(r["completions_per_s"], base["completions_per_s"]) if base else "—"])
     title = (f"### GRPO, {args.prompts} prompts x {args.num_generations} completions x <= {args.new_tokens} new "
              f"tokens a step ({args.prompt_length}-token prompts, completion lengths {args.completion_lengths}, micro-batch {args.per_device_train_batch_size}, "
              f"{args.timed_steps} timed steps after {args.warmup_steps})")
     columns = ["config", "completions/s", "s a step", "generation %", "training %", "mean completion tokens",
-               "backbone tokens per unique token", "peak GiB", "vs trl"]
-    return title + "\n\n" + markdown(columns, rows, numeric=set(range(1, 9)))
+               "backbone tokens per unique token", "training forwards a step", "peak GiB", "vs trl"]
+    return title + "\n\n" + markdown(columns, rows, numeric=set(range(1, 10)))
 
 
 def main(argv=None) -> int:
