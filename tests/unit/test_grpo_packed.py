@@ -142,6 +142,16 @@ def test_micro_batches_over_the_budget_train_in_parts_equal_to_padded_unfused(tm
     assert len(packed[2]) > len(padded[2])  # more forwards than micro-batches
 
 
+def test_the_entropy_bonus_in_parts_equals_padded(tmp_path, prompts, replay, longest_completion):
+    """entropy_coef: the bonus's weight (the step's token count, all micro-batches) reaches every part."""
+    common = dict(loss_type="grpo", entropy_coef=0.05)
+    padded = _train(tmp_path / "p", prompts, replay, fused_head=False, **common)
+    packed = _train(tmp_path / "k", prompts, replay, padding_free=True, share_prompt=True,
+                    max_tokens_per_batch=longest_completion, **common)
+    _assert_same_training(packed, padded)
+    assert len(packed[2]) > len(padded[2]) and all(b.entropy_weight is not None for b in packed[2])
+
+
 def test_top_entropy_quantile_keeps_each_micro_batch_in_one_forward(tmp_path, prompts, replay, longest_completion):
     """Its threshold is a quantile over a whole micro-batch's entropies (every rank's), so a micro-batch
     over the budget stays one row, with a warning, and training equals padded training."""
