@@ -51,7 +51,7 @@ def longest_group(prompts, replay) -> int:
                for r in range(ROWS))
 
 
-def _train(tmp_path, prompts, replay, trainer_cls=GRPOTrainer, config_cls=GRPOConfig, **overrides):
+def _train(tmp_path, prompts, replay, trainer_cls=GRPOTrainer, config_cls=GRPOConfig, peft_config=None, **overrides):
     values = dict(
         output_dir=str(tmp_path), max_steps=4, learning_rate=0.1, optim="sgd", lr_scheduler_type="constant",
         warmup_steps=0, weight_decay=0.0, max_grad_norm=0.0, per_device_train_batch_size=4,
@@ -62,11 +62,12 @@ def _train(tmp_path, prompts, replay, trainer_cls=GRPOTrainer, config_cls=GRPOCo
     values.update(overrides)
     torch.manual_seed(0)
     trainer = trainer_cls(load_model(MODEL), reward_funcs=token_sum_reward, args=config_cls(**values),
-                          train_dataset=prompts, generator=replay)
+                          train_dataset=prompts, generator=replay, peft_config=peft_config)
     seen = record_micro_batches(trainer)  # per micro-batch: the batch and its advantages
+    initial = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
     trainer.train()
     logs = [e for e in trainer.state.log_history if "loss" in e]
-    return logs, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, seen
+    return logs, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, seen, initial
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +98,7 @@ def _assert_same_training(packed, padded):
         assert a == pytest.approx(b, rel=1e-6, abs=1e-7)
     for key, value in padded[1].items():
         torch.testing.assert_close(packed[1][key], value, rtol=1e-5, atol=1e-6, msg=key)
-    assert any(not torch.equal(v, load_model(MODEL).state_dict()[k]) for k, v in padded[1].items())
+    assert any(not torch.equal(v, padded[3][k]) for k, v in padded[1].items())  # training moved the weights
 
 
 def _assert_packed(seen, budget: int | None):
@@ -150,6 +151,22 @@ def test_the_entropy_bonus_in_parts_equals_padded(tmp_path, prompts, replay, lon
                     max_tokens_per_batch=longest_completion, **common)
     _assert_same_training(packed, padded)
     assert len(packed[2]) > len(padded[2]) and all(b.entropy_weight is not None for b in packed[2])
+
+
+def test_lora_on_the_head_in_parts_equals_padded(tmp_path, prompts, replay, longest_completion):
+    """LoRA on q, v and lm_head, beta > 0 with the reference the policy with its adapter disabled: the
+    reference's pass and the policy's run per part."""
+    from peft import LoraConfig
+
+    def lora():
+        return LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
+                          target_modules=["q_proj", "v_proj", "lm_head"])
+
+    padded = _train(tmp_path / "p", prompts, replay, fused_head=False, peft_config=lora())
+    packed = _train(tmp_path / "k", prompts, replay, padding_free=True, share_prompt=True,
+                    max_tokens_per_batch=longest_completion, peft_config=lora())
+    _assert_same_training(packed, padded)
+    assert len(packed[2]) > len(padded[2]) and any("lora" in k for k in packed[1])
 
 
 def test_top_entropy_quantile_keeps_each_micro_batch_in_one_forward(tmp_path, prompts, replay, longest_completion):
