@@ -181,16 +181,6 @@ def test_top_entropy_quantile_keeps_each_micro_batch_in_one_forward(tmp_path, pr
     assert len(packed[2]) == len(padded[2]) and max(b.rows.forward_tokens() for b in packed[2]) > longest_completion
 
 
-def test_rloo_micro_batches_over_the_budget_train_in_parts(tmp_path, prompts, replay, longest_completion):
-    common = dict(trainer_cls=RLOOTrainer, config_cls=RLOOConfig, beta=0.05)
-    padded = _train(tmp_path / "p", prompts, replay, fused_head=False, **common)
-    packed = _train(tmp_path / "k", prompts, replay, padding_free=True, share_prompt=True,
-                    max_tokens_per_batch=longest_completion + 1, **common)
-    _assert_same_training(packed, padded)
-    _assert_packed(packed[2], longest_completion + 1)
-    assert len(packed[2]) > len(padded[2])
-
-
 def test_a_budget_that_cannot_hold_the_longest_prompt_and_a_whole_completion_is_refused(tmp_path, prompts, replay,
                                                                                        longest_completion):
     with pytest.raises(DataError, match=rf"row \d+ \(from 0\): its prompt of \d+ tokens and a completion of up to "
@@ -213,13 +203,18 @@ def test_a_window_over_several_optimizer_steps_keeps_each_steps_completions(tmp_
     assert (len(packed[2]) > len(padded[2])) == parts
 
 
-def test_packed_shared_prompt_rloo_equals_padded_unfused(tmp_path, prompts, replay, longest_group):
+@pytest.mark.parametrize("parts", [False, True], ids=["rows", "parts"])
+def test_packed_shared_prompt_rloo_equals_padded_unfused(tmp_path, prompts, replay, longest_group, longest_completion,
+                                                         parts):
+    """A budget just above the longest group (one row a micro-batch), or just above one completion (in parts)."""
+    budget = (longest_completion if parts else longest_group) + 1
     common = dict(trainer_cls=RLOOTrainer, config_cls=RLOOConfig, beta=0.05)
     padded = _train(tmp_path / "p", prompts, replay, fused_head=False, **common)
     packed = _train(tmp_path / "k", prompts, replay, padding_free=True, share_prompt=True,
-                    max_tokens_per_batch=longest_group + 1, **common)
+                    max_tokens_per_batch=budget, **common)
     _assert_same_training(packed, padded)
-    _assert_packed(packed[2], longest_group + 1)
+    _assert_packed(packed[2], budget)
+    assert (len(packed[2]) > len(padded[2])) == parts  # parts: more forwards than micro-batches
 
 
 OFFLOAD = pytest.param({"offload": True}, id="offload", marks=pytest.mark.skipif(
