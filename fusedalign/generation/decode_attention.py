@@ -19,6 +19,14 @@ under `GROUPED`) and switches it back after, whatever happens. Flex attention is
 training rows use on CUDA; for decoding it would build a block mask every step, and the loop
 did not accept it before (such a model fell back to `generate`). Eager attention (soft-capped
 models such as Gemma 2) is left as it is.
+
+A decoding step's mask may cover only the first n slots of the static cache (StaticDecode
+hands this attention such a mask: the slots written so far, rounded up for a CUDA graph); a
+single query position then reads those n slots only. The slots after are masked anyway, and at
+128 prompt + 2,048 new tokens reading them would cost as much as reading a full context from
+the first token on. The width travels as the mask's shape, not as a setting held elsewhere, so
+a compiled step sees it as a size (symbolic under dynamic shapes), not as a constant to
+recompile for at every new width.
 """
 
 from __future__ import annotations
@@ -38,14 +46,15 @@ def grouped_sdpa_forward(module: nn.Module, query: Tensor, key: Tensor, value: T
                          dropout: float = 0.0, scaling: float | None = None, **kwargs: Any) -> tuple[Tensor, None]:
     """transformers' attention-function signature: query [B, h, q, d], key and value [B, g, k, d];
     returns ([B, q, h, d], None). A single query position with g < h goes the grouped way;
-    everything else (prefill, training) is transformers' sdpa. Inside `attending_to(n)` a single
-    query position reads the first n cache slots only."""
+    everything else (prefill, training) is transformers' sdpa. A single query position whose mask
+    covers only the first n cache slots reads those n slots only."""
     groups = getattr(module, "num_key_value_groups", 1)
     B, h, q, d = query.shape
-    slots = _SLOTS[0]
-    if q == 1 and slots is not None and key.shape[2] > slots:  # the slots after are masked: leave them unread
+    if q == 1 and attention_mask is not None:
+        # The mask may cover only the slots written so far: leave the rest of the static cache
+        # unread. (No test of the width: a compiled step would specialise on its outcome.)
+        slots = attention_mask.shape[-1]
         key, value = key[:, :, :slots], value[:, :, :slots]
-        attention_mask = None if attention_mask is None else attention_mask[..., :slots]
     per_head_mask = attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] != 1
     if (q != 1 or groups == 1 or per_head_mask or kwargs.get("position_bias") is not None
             or kwargs.get("softcap") is not None or kwargs.get("output_attentions", False)):
@@ -56,23 +65,6 @@ def grouped_sdpa_forward(module: nn.Module, query: Tensor, key: Tensor, value: T
     out = torch.nn.functional.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask,
                                                            dropout_p=dropout, scale=scaling)
     return out.reshape(B, h, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
-
-
-_SLOTS: list[int | None] = [None]
-
-
-@contextlib.contextmanager
-def attending_to(slots: int | None) -> Iterator[None]:
-    """Inside the block, a one-token step's attention reads only the first `slots` slots of the KV
-    cache (None: all). StaticDecode's mask hides every slot past the token's own, and reading
-    them costs as much as reading the context: at 128 prompt + 2,048 new tokens the static
-    cache is 2,176 slots from the first token on. A CUDA graph captured inside keeps the
-    number it was captured with, so the loop captures again when its tokens outgrow it."""
-    before, _SLOTS[0] = _SLOTS[0], slots
-    try:
-        yield
-    finally:
-        _SLOTS[0] = before
 
 
 def register() -> None:

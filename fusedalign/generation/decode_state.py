@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .decode_attention import GROUPED
 from .keyed import filter_logits
 
 
@@ -59,7 +60,7 @@ class DecodeState:
 
     Args:
         decode: the StaticDecode whose flags the draws follow.
-        B, L, P: rows, cache length (prompt + new tokens), padded prompt length.
+        B, L, P: rows, cache slots (at least prompt + new tokens), padded prompt length.
         input_ids, prompt_mask: [B, P] the left-padded prompts.
         lm: the unwrapped causal LM (its vocabulary size and attention implementation).
     """
@@ -85,6 +86,7 @@ class DecodeState:
             seen.scatter_(1, input_ids.masked_fill(prompt_mask == 0, vocab), True)
             self.seen = seen[:, :vocab].contiguous()
         # The 4D mask the decoding steps hand to the model: [B, 1, 1, L], over every cache slot.
+        self.narrows = lm.config._attn_implementation == GROUPED  # the grouped sdpa reads what its mask covers
         visible = torch.zeros((B, 1, 1, L), dtype=torch.bool, device=device)
         visible[:, 0, 0, :P] = prompt_mask.bool()
         self.additive = lm.config._attn_implementation == "eager"
@@ -107,10 +109,12 @@ class DecodeState:
         new.slot, new.index = self.slot.clone(), self.index.clone()
         return new
 
-    def open_slot(self) -> Tensor:
-        """The mask with `token`'s own slot opened (it attends to itself)."""
+    def open_slot(self, slots: int | None = None) -> Tensor:
+        """The mask with `token`'s own slot opened (it attends to itself): over the first `slots`
+        cache slots where the attention reads only what its mask covers, else (or with None)
+        over all of them."""
         self.mask.index_fill_(3, self.slot, 0.0 if self.additive else True)
-        return self.mask
+        return self.mask[..., :slots] if slots is not None and self.narrows else self.mask
 
     def take(self, logits: Tensor, first: bool = False) -> None:
         """Draws the next token from `logits` [B, V] float32 and advances every tensor in place."""
@@ -192,16 +196,18 @@ def cache_keyword(lm: nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(type(lm).forward).parameters else "past_key_values"
 
 
-def capture_step(decode_step, device) -> "torch.cuda.CUDAGraph":
-    """Runs one decoding step eagerly (on a side stream, as capture needs), then records it as a graph."""
+def capture_step(decode_step, device, slots: int) -> "torch.cuda.CUDAGraph":
+    """Runs one decoding step over `slots` cache slots (`decode_step(slots)`) eagerly, on a side
+    stream as capture needs (a compiled step compiles here, outside the capture), then records
+    it as a graph."""
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
-        decode_step()
+        decode_step(slots)
     torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        decode_step()  # recorded, not run
+        decode_step(slots)  # recorded, not run
     return graph
 
 

@@ -16,6 +16,15 @@ eager warm-up step and replayed for every further token. The graph is captured a
 ever reads the weights `generation_weights` made whole for this generation, on any backend.
 The host asks whether every row has finished once every `check_every` tokens.
 
+With `compile_step` the step is first compiled by torch.compile (inductor), which fuses each
+layer's element-wise work (norms, rotary embedding, activations, residual adds) and the
+processors and draw into a few kernels; the graph is then captured from the compiled step. The
+compiled code takes the parameters as inputs (inductor's freezing is off: no storage is baked
+in), so it serves every generation's weights, and with dynamic shapes it serves every batch
+size, cache length and window without compiling again. Its draws use inductor's random
+numbers, not eager `torch.rand`'s: the same distribution, other samples; greedy tokens are
+the same.
+
 Sampling is transformers' (and so TRL's): the repetition penalty over the prompt (not its
 left padding, as transformers 5.25's generate; 5.17's counted the padding, which made a
 row's draws depend on its batch) and the completion so far, then temperature, top-k, top-p
@@ -54,7 +63,7 @@ from .decode_state import (
     write_back,
 )
 from . import sampling_head as sampling
-from .decode_attention import GROUPED, attending_to, decoding_attention, decoding_implementation
+from .decode_attention import GROUPED, decoding_attention, decoding_implementation
 from .keyed import KeyedSampler
 
 MASK_IMPLEMENTATIONS = (GROUPED, "sdpa", "eager")
@@ -83,17 +92,22 @@ class StaticDecode:
             vocabulary (`generation/sampling_head.py`), instead of from the [B, V] logits; used
             where it can be (no top-k, top-p or min-p; a linear or LoRA head), else the logits path.
         window_slots: a step's attention reads only the KV-cache slots written so far (the rest
-            are masked; `decode_attention.attending_to`): eager steps exactly those, a CUDA graph
+            are masked; `decode_attention`): eager steps exactly those, a CUDA graph
             those up to the next multiple of this, captured again when the tokens outgrow it
             (0: every graph reads the whole cache). Attention implementations other than the
             grouped sdpa read the whole cache.
+        compile_step: compile the decoding step with torch.compile (inductor: each layer's
+            element-wise work and the processors and draw fused into fewer kernels) before it is
+            captured as a graph. The first call compiles (once per process: dynamic shapes). Not
+            with a KeyedSampler, whose draw reads host-side state every token.
     """
 
     def __init__(self, *, max_new_tokens: int, eos_token_id: int | Sequence[int], pad_token_id: int,
                  bos_token_id: int | None = None, do_sample: bool = True, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = 0, min_p: float | None = None, repetition_penalty: float = 1.0,
                  sampler: KeyedSampler | None = None, cuda_graphs: bool = True, check_every: int = 16,
-                 compact_below: float = 0.5, fused_sampling: bool = False, window_slots: int = 256):
+                 compact_below: float = 0.5, fused_sampling: bool = False, window_slots: int = 256,
+                 compile_step: bool = False):
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         self.max_new_tokens = max_new_tokens
@@ -111,12 +125,13 @@ class StaticDecode:
             raise ValueError(f"compact_below must be in [0, 1), got {compact_below}")
         self.compact_below = compact_below
         self.fused_sampling = fused_sampling
+        self.compile_step = compile_step
         self.fallback = HFGenerate(max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
                                    bos_token_id=bos_token_id, do_sample=do_sample, temperature=temperature,
                                    top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
                                    sampler=sampler)
         # How the last call ran: "path", "graph", "graphs" (captured), "steps" (tokens drawn),
-        # "batch_sizes" (the rows decoded, then after each compaction).
+        # "batch_sizes" (the rows decoded, then after each compaction), "compiled".
         self.last_call: dict[str, Any] = {}
 
     @classmethod
@@ -166,16 +181,20 @@ class StaticDecode:
 
         device = next(model.parameters()).device
         B, P = input_ids.shape
-        L = P + self.max_new_tokens
+        L = P + self.max_new_tokens  # the slots the tokens need
         input_ids, prompt_mask = input_ids.to(device), prompt_mask.to(device)
         lm = unwrap_model(model)
-        cache = dtype_stable(StaticCache(config=lm.config, max_cache_len=L))
+        # A few slots more than that (to the next multiple of 16, at least one): the first slots a
+        # step reads are then never the whole cache, nor contiguous, so a compiled step does not
+        # specialise on whether they are. The slots past L stay masked.
+        slots = (L // 16 + 1) * 16
+        cache = dtype_stable(StaticCache(config=lm.config, max_cache_len=slots))
         keyword = cache_keyword(lm)
         # Positions as generate gives them to left-padded rows.
         positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
         if self.sampler is not None:
             self.sampler.bind(row_keys, P, step)
-        state = DecodeState(self, B, L, P, device, input_ids, prompt_mask, lm)
+        state = DecodeState(self, B, slots, P, device, input_ids, prompt_mask, lm)
         why_not_fused = sampling.usable(lm, self.processing, self.sampler) if self.fused_sampling else "not asked"
         post = post_processing_of(lm) if why_not_fused is None else None
 
@@ -194,8 +213,14 @@ class StaticDecode:
         logprobs = state.logprobs
         rows = torch.arange(B, device=device)  # the row of the whole batch each live row is
 
-        def decode_step():  # reads `state` as it is bound when it runs: compaction rebinds it
-            forward_and_draw(input_ids=state.token, attention_mask=state.open_slot(), position_ids=state.position)
+        def decode_step(slots: int):  # reads `state` as it is bound when it runs: compaction rebinds it
+            forward_and_draw(input_ids=state.token, attention_mask=state.open_slot(slots), position_ids=state.position)
+
+        compiled = self.compile_step and self.sampler is None  # a keyed draw reads the host every token
+        if compiled:
+            # Dynamic shapes: one compilation serves every batch size (compaction), window and cache
+            # length; dynamo keeps it for later calls (a new `decode_step` has the same code).
+            decode_step = torch.compile(decode_step, dynamic=True)
 
         remaining = self.max_new_tokens - 1
         use_graphs = self.cuda_graphs and graphs_possible(device) and self.sampler is None
@@ -207,14 +232,12 @@ class StaticDecode:
                 graph = None
             if use_graphs and graph is None and remaining - done > 1:
                 window = self._window(written, L)
-                with attending_to(window):
-                    graph = capture_step(decode_step, device)  # its warm-up is a real step, eager
+                graph = capture_step(decode_step, device, window)  # its warm-up is a real step, eager
                 graphs += 1
             elif graph is not None:
                 graph.replay()
             else:
-                with attending_to(written):
-                    decode_step()
+                decode_step(written)
             done += 1
             if done % self.check_every:
                 continue
@@ -234,7 +257,7 @@ class StaticDecode:
                 sizes.append(left)
         write_back(state, rows, tokens, logprobs)
         self.last_call = {"path": "static", "graph": graphs > 0, "graphs": graphs, "steps": 1 + done,
-                          "batch_sizes": sizes, "fused_sampling": post is not None,
+                          "batch_sizes": sizes, "fused_sampling": post is not None, "compiled": compiled,
                           "why_not_fused": why_not_fused}
         del graph, cache
         return tokens, logprobs

@@ -13,7 +13,6 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from fusedalign.generation import HFGenerate, StaticDecode
 from fusedalign.generation.decode_attention import (
     GROUPED,
-    attending_to,
     decoding_attention,
     decoding_implementation,
     grouped_sdpa_forward,
@@ -110,8 +109,8 @@ def test_the_loop_decodes_as_generate_on_sdpa_and_flex_models(attn):
 
 @pytest.mark.parametrize("heads,kv_heads", [(6, 2), (4, 4)])
 def test_reading_only_the_written_slots_changes_nothing(heads, kv_heads):
-    """Inside `attending_to(n)` a one-token step reads the first n slots; with the slots after
-    masked (as StaticDecode's mask has them) the output is the same, for grouped and plain heads."""
+    """A one-token step whose mask covers the first n slots reads those n slots; the output is
+    that of the whole cache with the slots after masked, for grouped and plain heads."""
     g = torch.Generator().manual_seed(7)
     B, L, d, n = 2, 12, 8, 7
     query = torch.randn(B, heads, 1, d, generator=g, dtype=torch.float64)
@@ -120,17 +119,15 @@ def test_reading_only_the_written_slots_changes_nothing(heads, kv_heads):
     visible[..., 2:n] = True
     module = _Module(heads // kv_heads)
     whole, _ = grouped_sdpa_forward(module, query, key, value, visible, scaling=0.4)
-    with attending_to(n):
-        part, _ = grouped_sdpa_forward(module, query, key, value, visible, scaling=0.4)
-        several, _ = grouped_sdpa_forward(module, query.expand(B, heads, 3, d), key, value,
-                                          visible.expand(B, 1, 3, L), scaling=0.4)
+    part, _ = grouped_sdpa_forward(module, query, key, value, visible[..., :n], scaling=0.4)
+    several, _ = grouped_sdpa_forward(module, query.expand(B, heads, 3, d), key, value,
+                                      visible.expand(B, 1, 3, L), scaling=0.4)
     torch.testing.assert_close(part, whole, rtol=1e-12, atol=1e-12)
     assert several.shape == (B, 3, heads, d)  # several query positions: the whole cache, as transformers'
     # It reads only those slots: what lies after them does not reach the output, even unmasked.
     key[..., n:, :] = float("nan")
     value[..., n:, :] = float("nan")
-    with attending_to(n):
-        part, _ = grouped_sdpa_forward(module, query, key, value, visible, scaling=0.4)
+    part, _ = grouped_sdpa_forward(module, query, key, value, visible[..., :n], scaling=0.4)
     torch.testing.assert_close(part, whole, rtol=1e-12, atol=1e-12)
 
 
@@ -174,9 +171,8 @@ def test_a_bf16_decoding_step_on_the_05b_heads_is_no_worse_grouped():
             visible = torch.zeros(B, 1, 1, P + 4, dtype=torch.bool, device=device)
             visible[:, 0, 0, :P] = mask.bool()
             visible[:, 0, 0, P] = True
-            with attending_to(P + 1 if grouped else None):
-                out = model(input_ids=nxt, attention_mask=visible, position_ids=mask.sum(-1, keepdim=True),
-                            use_cache=True, **kw)
+            out = model(input_ids=nxt, attention_mask=visible[..., : P + 1] if grouped else visible,
+                        position_ids=mask.sum(-1, keepdim=True), use_cache=True, **kw)
         return out.logits[:, -1].float()
 
     want = step(truth, grouped=False)

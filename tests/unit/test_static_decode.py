@@ -324,22 +324,21 @@ def test_graph_windows_cover_every_slot_a_step_attends_to(monkeypatch, window):
     """The loop's graph bookkeeping on the CPU: a stand-in for CUDA graphs replays the step with
     the window it was captured with, as a graph would. Had a window been too small for a step,
     the step would not see its last tokens and the greedy tokens would differ from generate's."""
-    from fusedalign.generation import decode_attention, static
+    from fusedalign.generation import static
 
     captured = []
 
     class Graph:
-        def __init__(self, step):
-            self.step, self.slots = step, decode_attention._SLOTS[0]
+        def __init__(self, step, slots):
+            self.step, self.slots = step, slots
 
         def replay(self):
-            with decode_attention.attending_to(self.slots):
-                self.step()
+            self.step(self.slots)
 
-    def capture(step, device):
-        step()  # the warm-up is a real step
-        captured.append(decode_attention._SLOTS[0])
-        return Graph(step)
+    def capture(step, device, slots):
+        step(slots)  # the warm-up is a real step
+        captured.append(slots)
+        return Graph(step, slots)
 
     monkeypatch.setattr(static, "graphs_possible", lambda device: True)
     monkeypatch.setattr(static, "capture_step", capture)

@@ -1,0 +1,135 @@
+"""StaticDecode's compiled step (`compile_step=True`, inductor): the eager loop's greedy tokens, one
+compilation for every batch size, window and later call, and fresh draws of the processed softmax.
+
+The compiled step also goes through the graph bookkeeping: on the CPU a stand-in for CUDA
+graphs replays it with the window it was captured with, as a graph would (the CUDA twins are
+in test_static_decode.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from fusedalign.generation import StaticDecode, static
+from fusedalign.generation.static import process_logits
+from fusedalign.models import load_model, load_tokenizer
+
+PROMPT_LENGTHS = (3, 7, 5, 1, 9)
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(1, 400, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+
+
+def _keys(n: int) -> list[tuple[int, int]]:
+    return [(i, 0) for i in range(n)]
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """No compiled code or counts from another test (dynamo keeps them per process)."""
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def _stand_in_graphs(monkeypatch) -> list[int]:
+    """CUDA graphs replaced by a replay of the step with the window it was captured with; returns
+    the windows captured."""
+    captured = []
+
+    class Graph:
+        def __init__(self, step, slots):
+            self.step, self.slots = step, slots
+
+        def replay(self):
+            self.step(self.slots)
+
+    def capture(step, device, slots):
+        step(slots)  # the warm-up is a real step
+        captured.append(slots)
+        return Graph(step, slots)
+
+    monkeypatch.setattr(static, "graphs_possible", lambda device: True)
+    monkeypatch.setattr(static, "capture_step", capture)
+    return captured
+
+
+@pytest.mark.parametrize("attn,penalty", [("sdpa", 1.4), ("eager", 1.0)])
+def test_a_compiled_step_decodes_as_the_eager_loop(monkeypatch, fresh_dynamo, attn, penalty):
+    """Greedy tokens equal the uncompiled loop's, through graph windows of 4 slots and a
+    compaction; dynamo compiles the step once, without graph breaks, and a second call (new
+    cache, new state, a batch of other prompts) runs the same compiled code."""
+    model = load_model("builtin:tiny-qwen2", attn_implementation=attn).eval()
+    tok = load_tokenizer("builtin:tiny-qwen2")
+    prompts, keys = _prompts(), _keys(len(PROMPT_LENGTHS))
+    kw = dict(max_new_tokens=14, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, do_sample=False,
+              repetition_penalty=penalty)
+    # An end-of-sequence token that one row draws early, so that the batch is compacted.
+    first = StaticDecode(**kw, cuda_graphs=False).generate(model, prompts, keys).completion_ids
+    kw["eos_token_id"] = first[2][1]
+    loop = dict(window_slots=4, compact_below=0.9, check_every=2)
+    want = StaticDecode(**kw, cuda_graphs=False, **loop).generate(model, prompts, keys)
+
+    captured = _stand_in_graphs(monkeypatch)
+    decode = StaticDecode(**kw, compile_step=True, **loop)
+    got = decode.generate(model, prompts, keys)
+    assert decode.last_call["compiled"] is True and decode.last_call["graphs"] >= 3
+    assert len(decode.last_call["batch_sizes"]) >= 2, decode.last_call  # compacted
+    assert got.completion_ids == want.completion_ids and got.truncated == want.truncated
+    assert len(set(captured)) >= 3  # several windows, one compilation
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+
+    others = [p[::-1] + [5] for p in prompts[1:]]
+    again = decode.generate(model, others, keys[1:])
+    assert again.completion_ids == StaticDecode(**kw, cuda_graphs=False, **loop).generate(
+        model, others, keys[1:]).completion_ids
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_a_keyed_sampler_keeps_the_step_uncompiled():
+    """A keyed draw reads host-side state every token: compiling it would break the graph and
+    recompile per position, so the step stays eager."""
+    from fusedalign.generation import KeyedSampler
+
+    model = load_model("builtin:tiny-qwen2", attn_implementation="sdpa").eval()
+    tok = load_tokenizer("builtin:tiny-qwen2")
+    decode = StaticDecode(max_new_tokens=4, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                          sampler=KeyedSampler(3), compile_step=True)
+    decode.generate(model, _prompts(), _keys(len(PROMPT_LENGTHS)))
+    assert decode.last_call["compiled"] is False
+
+
+def test_compiled_draws_are_fresh_samples_of_the_processed_softmax(fresh_dynamo):
+    """A head whose logits are the same vector b at every position: the tokens the compiled step
+    draws (inductor's random numbers, not torch.rand's) follow the processed softmax of b, and
+    every step draws fresh noise."""
+    model = load_model("builtin:tiny-qwen2", attn_implementation="sdpa").eval()
+    tok = load_tokenizer("builtin:tiny-qwen2")
+    vocab = model.config.vocab_size
+    b = torch.full((vocab,), -30.0)
+    b[:48] = torch.randn(48, generator=torch.Generator().manual_seed(0)) * 2
+    head = torch.nn.Linear(model.config.hidden_size, vocab, bias=True)
+    with torch.no_grad():
+        head.weight.zero_()
+        head.bias.copy_(b)
+    model.lm_head = head
+    flags = dict(temperature=0.8, top_k=40, top_p=0.95)
+    decode = StaticDecode(max_new_tokens=12, eos_token_id=vocab - 1, pad_token_id=tok.pad_token_id,
+                          compile_step=True, **flags)
+    torch.manual_seed(0)
+    out = decode.generate(model, [_prompts()[1]] * 2048, _keys(2048))
+    assert decode.last_call["compiled"] is True and decode.last_call["steps"] == 12
+    tokens = torch.tensor(out.completion_ids)[:, 1:]  # the compiled steps' draws
+    want = process_logits(b[None], None, **flags)[0].double().softmax(-1)
+    got = torch.bincount(tokens.flatten(), minlength=vocab).double() / tokens.numel()
+    assert 0.5 * (got - want).abs().sum() < 0.02
+    assert got[want == 0].sum() == 0
+    # Fresh noise each step: a row repeats one token all along as often as independent draws do.
+    repeated = (tokens == tokens[:, :1]).all(1).double().mean()
+    assert abs(repeated - (want ** tokens.shape[1]).sum()) < 0.02, (repeated, (want ** tokens.shape[1]).sum())
+    # and each row's draws differ from the other rows' (noise per row, not per step)
+    assert (tokens[:, 0] != tokens[0, 0]).any()
