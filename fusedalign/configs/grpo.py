@@ -89,8 +89,10 @@ class GRPOConfig(FusedAlignConfig):
     generation_kwargs: dict | None = field(default=None, metadata={"help": "More transformers GenerationConfig fields."})
     cache_implementation: str | None = field(default=None, metadata={"help": "generate's cache, e.g. 'static'."})
     compile_generation: bool = field(
-        default=False, metadata={"help": "Static cache with compiled decoding (GPU; TRL always disables compile). "
-                                 "Not under ZeRO-3 or FSDP2, which re-materialise the weights every step."})
+        default=False, metadata={"help": "Compile the decoding step (not in TRL, which disables compile). static: "
+                                 "StaticDecode's step through torch.compile before its CUDA graph, once a run, on "
+                                 "every backend (not with keyed_sampling). generate: its static cache with "
+                                 "compiled decoding, not under ZeRO-3 or FSDP2 (it keeps the weights' storage)."})
     generation_backend: str = field(
         default="auto",
         metadata={"help": "generate: transformers' generate (TRL's path without vLLM); static: fusedalign's decoding "
@@ -154,15 +156,14 @@ class GRPOConfig(FusedAlignConfig):
         check_choice("multi_objective_aggregation", self.multi_objective_aggregation, AGGREGATIONS)
         check_choice("generation_backend", self.generation_backend, GENERATION_BACKENDS)
         generate_only = [flag for flag, on in (("generation_kwargs", self.generation_kwargs),
-                                               ("cache_implementation", self.cache_implementation),
-                                               ("compile_generation", self.compile_generation)) if on]
+                                               ("cache_implementation", self.cache_implementation)) if on]
         if self.generation_backend == "static" and generate_only:
             raise ValueError(f"--{generate_only[0]} is an option of transformers' generate; use "
                              "--generation_backend generate (or auto) with it, or drop it.")
         if self.replay_completions is not None and self.keyed_sampling:
             raise ValueError("--replay_completions replays recorded completions; it cannot be combined with "
                              "--keyed_sampling (which samples new ones)")
-        if self.compile_generation:
+        if self.compile_generation and self.resolved_generation_backend == "generate":
             check_compile_generation_supported()
 
     def _check_numbers(self) -> None:
@@ -242,7 +243,7 @@ class GRPOConfig(FusedAlignConfig):
         option only generate has is set)."""
         if self.generation_backend != "auto":
             return self.generation_backend
-        if self.generation_kwargs or self.cache_implementation or self.compile_generation:
+        if self.generation_kwargs or self.cache_implementation:
             return "generate"
         return "static" if self.device.type == "cuda" else "generate"
 

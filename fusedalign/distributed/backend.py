@@ -162,7 +162,8 @@ def check_compile_layers_supported() -> None:
 
 
 def check_compile_generation_supported() -> None:
-    """Refuses generate's compiled decoding (`--compile_generation`) where the weights move.
+    """Refuses generate's compiled decoding (`--compile_generation` with `--generation_backend
+    generate`) where the weights move.
 
     Raises:
         ValueError: under ZeRO-3 or FSDP2 (read from the launch environment), with the way out.
@@ -170,9 +171,10 @@ def check_compile_generation_supported() -> None:
     backend = backend_from_env()
     if backend in (DistributedBackend.ZERO3, DistributedBackend.FSDP2):
         raise ValueError(
-            f"--compile_generation under {backend.value}: compiled decoding captures the parameters' storage, "
-            "which ZeRO-3 and FSDP2 gather anew for every generation, so the compiled graphs would read "
-            "released memory. Use it on one device, DDP or ZeRO-2, or leave it off."
+            f"--compile_generation with transformers' generate under {backend.value}: its compiled decoding "
+            "captures the parameters' storage, which ZeRO-3 and FSDP2 gather anew for every generation, so the "
+            "compiled graphs would read released memory. Use --generation_backend static (its compiled step "
+            "takes the weights as inputs, valid on every backend), or leave --compile_generation off."
         )
 
 

@@ -140,7 +140,8 @@ class StaticDecode:
         return cls(max_new_tokens=args.max_completion_length, eos_token_id=tokenizer.eos_token_id,
                    pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
                    temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                   repetition_penalty=args.repetition_penalty, sampler=sampler)
+                   repetition_penalty=args.repetition_penalty, sampler=sampler,
+                   compile_step=getattr(args, "compile_generation", False))
 
     @staticmethod
     def unsupported(model: nn.Module) -> str | None:

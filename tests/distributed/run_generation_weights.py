@@ -7,7 +7,8 @@ SFT (SGD, fp32, fixed data order) runs `steps` optimizer steps; after step `gene
 callback decodes fixed prompts greedily inside `generation_weights` (counting the
 all-gathers), saves the whole model of that step, and training goes on. DIR/result.json holds
 the per-step losses, each rank's tokens, the all-gather counts (with the context and, under
-ZeRO-3 and FSDP2, without it first) and which wrapper ran;
+ZeRO-3 and FSDP2, without it first), each rank's tokens from StaticDecode's compiled step on
+the same weights, and which wrapper ran;
 DIR/step_model/ the weights generation saw, DIR/model/ the final weights.
 """
 
@@ -84,6 +85,21 @@ def _greedy(max_new_tokens: int):
     return gen, [tok(p)["input_ids"] for p in PROMPTS]
 
 
+def _compiled_greedy(max_new_tokens: int):
+    from fusedalign.generation import StaticDecode
+    from fusedalign.models import load_tokenizer
+
+    tok = load_tokenizer("builtin:tiny-qwen2")
+    return StaticDecode(max_new_tokens=max_new_tokens, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                        do_sample=False, compile_step=True)
+
+
+def _compiled_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--spec", required=True)
@@ -126,6 +142,11 @@ def main() -> int:
             with counting_all_gathers(gathers), generation_weights(trainer.model_wrapped, acc) as whole:
                 out = gen.generate(whole, prompt_ids, keys)
                 result["inside"] = backend_state(trainer, acc)
+            with generation_weights(trainer.model_wrapped, acc) as whole:
+                # StaticDecode's compiled step (eager steps on the CPU) on the same weights.
+                compiled = _compiled_greedy(spec.get("max_new_tokens", 8))
+                result["compiled_tokens"] = gather_object([compiled.generate(whole, prompt_ids, keys).completion_ids])
+                result["compiled_call"] = {**compiled.last_call, "unique_graphs": _compiled_graphs()}
             result["after"] = backend_state(trainer, acc)
             result["tokens"] = gather_object([out.completion_ids])
             result["all_gathers"] = gathers[0]

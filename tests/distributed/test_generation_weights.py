@@ -5,7 +5,7 @@ greedy decoding of fixed prompts (8 new tokens) inside `generation_weights`, the
 weights saved, 2 more steps. Checked against a single process doing the same:
 - the tokens (both ranks) equal a single-process greedy decoding of the saved weights, which
   differ from the initial weights' tokens (generation sees the trained weights, not stale or
-  empty shards);
+  empty shards), and so do StaticDecode's with its step compiled (`compile_step`);
 - training after generation gives the same per-step losses and final weights (the hooks,
   shards and parameter tracking were put back);
 - on FSDP2, about one all-gather per module during the generation, not one per decoded token
@@ -90,6 +90,7 @@ def test_single_process_reference(runs):
     assert moved, "two training steps changed no weight; the comparison would be vacuous"
     (tokens,) = res["tokens"]
     assert tokens == _greedy_tokens(str(out / "step_model"))
+    assert res["compiled_tokens"] == [tokens] and res["compiled_call"]["compiled"] is True
     assert tokens != _greedy_tokens("builtin:tiny-qwen2"), "the trained weights decode as the initial ones"
     assert [len(t) for t in tokens] == [SPEC["max_new_tokens"]] * len(tokens)
 
@@ -106,6 +107,11 @@ def test_generation_sees_whole_current_weights_and_training_goes_on(runs, backen
     rank0, rank1 = res["tokens"]
     assert rank0 == rank1 == base["tokens"][0]
     assert rank0 == _greedy_tokens(str(out / "step_model"))
+    # StaticDecode's compiled step on the same whole weights: the same tokens, compiled (not a
+    # fallback to eager code or to generate).
+    assert res["compiled_tokens"] == [rank0, rank0]
+    assert res["compiled_call"]["path"] == "static" and res["compiled_call"]["compiled"] is True
+    assert res["compiled_call"]["unique_graphs"] >= 1, res["compiled_call"]
     # The backend's state inside the block, and put back after it.
     assert res["restored_train_mode"] and res["inside"]["training"] is False and res["after"]["training"] is True
     if backend == "zero3":

@@ -84,9 +84,18 @@ def test_loss_options_follow_the_config():
 
 
 def test_compiled_generation_is_refused_where_the_weights_are_gathered_anew(tmp_path, monkeypatch):
+    """generate's compiled decoding keeps the weights' storage: refused under FSDP2 (and ZeRO-3),
+    with the way out; StaticDecode's compiled step takes them as inputs: allowed, and asked for."""
+    from fusedalign.generation import StaticDecode
+    from fusedalign.models import load_tokenizer
+
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     monkeypatch.setenv("FSDP_VERSION", "2")
-    with pytest.raises(ValueError, match="compile_generation under fsdp2"):
-        GRPOConfig(output_dir=str(tmp_path), compile_generation=True)
+    with pytest.raises(ValueError, match="compile_generation with transformers' generate under fsdp2.*"
+                                         "--generation_backend static"):
+        GRPOConfig(output_dir=str(tmp_path), compile_generation=True, generation_backend="generate")
+    args = GRPOConfig(output_dir=str(tmp_path), compile_generation=True, generation_backend="static")
+    assert args.resolved_generation_backend == "static"
+    assert StaticDecode.from_args(args, load_tokenizer("builtin:tiny-qwen2")).compile_step is True
     monkeypatch.delenv("ACCELERATE_USE_FSDP")
-    GRPOConfig(output_dir=str(tmp_path), compile_generation=True)  # one device: allowed
+    GRPOConfig(output_dir=str(tmp_path), compile_generation=True, generation_backend="generate")  # one device

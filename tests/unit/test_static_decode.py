@@ -157,6 +157,9 @@ def test_generation_backend_flag(tmp_path):
     assert args.resolved_generation_backend == ("static" if args.device.type == "cuda" else "generate")
     assert GRPOConfig(output_dir=str(tmp_path), generation_backend="static").resolved_generation_backend == "static"
     assert GRPOConfig(output_dir=str(tmp_path), cache_implementation="static").resolved_generation_backend == "generate"
+    # --compile_generation compiles whichever backend decodes; it does not pick one.
+    compiled = GRPOConfig(output_dir=str(tmp_path), compile_generation=True)
+    assert compiled.resolved_generation_backend == args.resolved_generation_backend
     with pytest.raises(ValueError, match="generation_kwargs is an option of transformers' generate"):
         GRPOConfig(output_dir=str(tmp_path), generation_backend="static", generation_kwargs={"top_k": 3})
     with pytest.raises(ValueError, match="generation_backend"):

@@ -61,8 +61,9 @@ def _stand_in_graphs(monkeypatch) -> list[int]:
 @pytest.mark.parametrize("attn,penalty", [("sdpa", 1.4), ("eager", 1.0)])
 def test_a_compiled_step_decodes_as_the_eager_loop(monkeypatch, fresh_dynamo, attn, penalty):
     """Greedy tokens equal the uncompiled loop's, through graph windows of 4 slots and a
-    compaction; dynamo compiles the step once, without graph breaks, and a second call (new
-    cache, new state, a batch of other prompts) runs the same compiled code."""
+    compaction; dynamo compiles the step once, without graph breaks, and later calls (new
+    cache, new state, other prompts, weights changed in place) run the same compiled code and
+    see the new weights."""
     model = load_model("builtin:tiny-qwen2", attn_implementation=attn).eval()
     tok = load_tokenizer("builtin:tiny-qwen2")
     prompts, keys = _prompts(), _keys(len(PROMPT_LENGTHS))
@@ -87,6 +88,14 @@ def test_a_compiled_step_decodes_as_the_eager_loop(monkeypatch, fresh_dynamo, at
     again = decode.generate(model, others, keys[1:])
     assert again.completion_ids == StaticDecode(**kw, cuda_graphs=False, **loop).generate(
         model, others, keys[1:]).completion_ids
+    # What an optimizer step does (new values in the same storage): the compiled code sees them.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    after = decode.generate(model, prompts, keys)
+    assert after.completion_ids == StaticDecode(**kw, cuda_graphs=False, **loop).generate(
+        model, prompts, keys).completion_ids
+    assert after.completion_ids != got.completion_ids
     assert counters["stats"]["unique_graphs"] == 1
 
 
