@@ -12,7 +12,8 @@ captured as a CUDA graph of its own and replayed --repeats times between two CUD
     bookkeeping padding after EOS, the token written, the finished flags, the next position
 
 then the whole step as one graph (what StaticDecode replays) and the whole step eager (what
-the host adds: the launches). The decode limit of the shape at that batch and context
+the host adds: the launches); with --compile, the whole step compiled by inductor and then
+captured (what StaticDecode(compile_step=True) replays). The decode limit of the shape at that batch and context
 (`harness/decode_limit.py`, datasheet peaks) sets the floor the step could reach.
 
 Examples:
@@ -65,6 +66,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="StaticDecode's window_slots: the cache slots a step reads (0: all)")
     p.add_argument("--transformers_attention", action="store_true",
                    help="decode through the model's own attention, not StaticDecode's grouped sdpa")
+    p.add_argument("--compile", action="store_true",
+                   help="also time the whole step compiled by torch.compile (inductor) before capture, as "
+                        "StaticDecode(compile_step=True) runs it")
     p.add_argument("--kernels", type=int, default=0, metavar="N",
                    help="also list the N kernels that take the most GPU time in the forward (torch.profiler)")
     args = p.parse_args(argv)
@@ -194,6 +198,8 @@ def profile_batch(args, model, batch: int, clock: Clock) -> dict[str, float]:
             times[name] = clock.graph_ms(fn)
         times["step, one graph"] = clock.graph_ms(whole)
         times["step, eager"] = clock.eager_ms(whole)
+        if args.compile:  # StaticDecode(compile_step=True): inductor first, then the graph
+            times["step, compiled, one graph"] = clock.graph_ms(torch.compile(whole, dynamic=True))
         kernels = top_kernels(forward, args.kernels) if args.kernels and device.type == "cuda" else []
     del cache
     return times, kernels

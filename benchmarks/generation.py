@@ -18,6 +18,8 @@ batch x 256 tokens), at each batch size:
     ours_eager  the same loop without the CUDA graph
     ours_fused  ours drawing each token inside the head, slice by slice of the vocabulary
                 (StaticDecode(fused_sampling=True), generation/sampling_head.py)
+    ours_compiled  ours with the step compiled by inductor before capture
+                (StaticDecode(compile_step=True); GRPO's --compile_generation)
 
 Each method runs in its own subprocess (compilation caches and allocator state never
 leak between them). Per batch size: one untimed call (it holds compilation and CUDA
@@ -53,7 +55,7 @@ from benchmarks.harness import runner  # noqa: E402
 from benchmarks.harness.env import gpu_info, log, versions, versions_line  # noqa: E402
 from benchmarks.harness.tables import fmt, markdown, ratio, write_markdown  # noqa: E402
 
-METHODS = ("dynamic", "dynamic_eos", "static", "continuous", "ours", "ours_eager", "ours_fused")
+METHODS = ("dynamic", "dynamic_eos", "static", "continuous", "ours", "ours_eager", "ours_fused", "ours_compiled")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -116,7 +118,7 @@ def generation_config(args, method: str, pad: int, eos: int):
 
         return StaticDecode(max_new_tokens=args.new_tokens, eos_token_id=eos, pad_token_id=pad, temperature=1.0,
                             top_p=1.0, top_k=0, cuda_graphs=method != "ours_eager",
-                            fused_sampling=method == "ours_fused")
+                            fused_sampling=method == "ours_fused", compile_step=method == "ours_compiled")
 
     options = dict(max_new_tokens=args.new_tokens, do_sample=True, temperature=1.0, top_p=1.0, top_k=0, use_cache=True,
                    pad_token_id=pad, eos_token_id=None if args.fit is None else eos, bos_token_id=None)

@@ -26,7 +26,7 @@ class GRPORun:
     name: str
     trainer: str                      # "trl" or "ours"
     continuous_batching: bool = False  # TRL: use_transformers_continuous_batching
-    compile_generation: bool = False   # ours: generate's static cache with compiled decoding
+    compile_generation: bool = False   # ours: the decoding step compiled (StaticDecode's, or generate's)
     generation_backend: str = "auto"   # ours: auto (StaticDecode on CUDA), generate or static
     compile_layers: bool = False       # ours: each decoder layer torch.compile'd (element-wise ops recomputed)
     padding_free: bool = False         # ours: packed rows of whole completions up to --max_tokens_per_batch
@@ -44,8 +44,11 @@ RUNS = {r.name: r for r in (
             about="ours with compile_layers=True: decoder layers compiled, element-wise ops recomputed in the backward"),
     GRPORun("ours_generate", "ours", generation_backend="generate",
             about="ours with generation_backend='generate': transformers' generate, as TRL"),
-    GRPORun("ours_compiled", "ours", compile_generation=True, generation_backend="generate",
-            about="ours with compile_generation=True: static cache, compiled decoding (weights updated in place)"),
+    GRPORun("ours_compiled", "ours", compile_generation=True,
+            about="ours with compile_generation=True: StaticDecode's step compiled by inductor, then captured"),
+    GRPORun("ours_generate_compiled", "ours", compile_generation=True, generation_backend="generate",
+            about="ours with generation_backend='generate' and compile_generation=True: generate's static cache "
+                  "and compiled decoding"),
     GRPORun("ours_padding_free", "ours", padding_free=True,
             about="ours with padding_free=True: each step's completions in packed rows up to the token budget"),
     GRPORun("ours_shared_prompt", "ours", padding_free=True, share_prompt=True,

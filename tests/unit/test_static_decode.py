@@ -221,19 +221,22 @@ def _cuda_model(dtype=torch.float32):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("penalty,window", [(1.0, 256), (1.3, 256), (1.0, 16)])
-def test_cuda_graph_decoding_equals_eager_and_generate(penalty, window):
+@pytest.mark.parametrize("penalty,window,compiled", [(1.0, 256, False), (1.3, 256, False), (1.0, 16, False),
+                                                     (1.3, 16, True)])
+def test_cuda_graph_decoding_equals_eager_and_generate(penalty, window, compiled):
     """Greedy tokens from the graph replays equal the eager loop's and generate's; the graph is
     captured anew per call, so weights changed in place between calls are seen. With a window
-    of 16 cache slots the graph is captured again as the tokens outgrow each window."""
+    of 16 cache slots the graph is captured again as the tokens outgrow each window. Compiled:
+    the same, from graphs captured of the inductor-compiled step."""
     tok = load_tokenizer("builtin:tiny-qwen2")
     model = _cuda_model()
     prompts, keys = _prompts(), _keys(len(PROMPT_LENGTHS))
     kw = dict(max_new_tokens=40, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, do_sample=False,
               repetition_penalty=penalty)
-    graphed, eager = StaticDecode(**kw, window_slots=window, compact_below=0), StaticDecode(**kw, cuda_graphs=False)
+    graphed = StaticDecode(**kw, window_slots=window, compact_below=0, compile_step=compiled)
+    eager = StaticDecode(**kw, cuda_graphs=False)
     before = graphed.generate(model, prompts, keys).completion_ids
-    assert graphed.last_call["graph"] is True
+    assert graphed.last_call["graph"] is True and graphed.last_call["compiled"] is compiled
     # 9-token prompts, 39 decoding steps writing slots 9 to 47: windows of 16, 32 and 48 slots
     assert graphed.last_call["graphs"] == (3 if window == 16 else 1), graphed.last_call
     assert before == eager.generate(model, prompts, keys).completion_ids
@@ -248,10 +251,12 @@ def test_cuda_graph_decoding_equals_eager_and_generate(penalty, window):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_graph_sampling_draws_fresh_samples_of_the_processed_softmax():
+@pytest.mark.parametrize("compiled", [False, True])
+def test_cuda_graph_sampling_draws_fresh_samples_of_the_processed_softmax(compiled):
     """A head whose logits are the same vector b at every position, whatever the context: every
     token drawn by a graph replay follows the processed softmax of b, and the replays draw
-    fresh noise (no row repeats one token all along)."""
+    fresh noise (no row repeats one token all along). Compiled: inductor's random numbers,
+    replayed in the graph, are fresh at every replay too."""
     tok = load_tokenizer("builtin:tiny-qwen2")
     model = _cuda_model()
     vocab = model.config.vocab_size
@@ -263,10 +268,12 @@ def test_cuda_graph_sampling_draws_fresh_samples_of_the_processed_softmax():
         head.bias.copy_(b)
     model.lm_head = head
     flags = dict(temperature=0.8, top_k=40, top_p=0.95)
-    decode = StaticDecode(max_new_tokens=24, eos_token_id=vocab - 1, pad_token_id=tok.pad_token_id, **flags)
+    decode = StaticDecode(max_new_tokens=24, eos_token_id=vocab - 1, pad_token_id=tok.pad_token_id,
+                          compile_step=compiled, **flags)
     torch.manual_seed(0)
     out = decode.generate(model, [_prompts()[1]] * 1024, _keys(1024))
     assert decode.last_call["graph"] is True and decode.last_call["steps"] == 24
+    assert decode.last_call["compiled"] is compiled
     tokens = torch.tensor(out.completion_ids, device="cuda")[:, 2:]  # the replayed steps
     want = process_logits(b[None], None, **flags)[0].double().softmax(-1)
     got = torch.bincount(tokens.flatten(), minlength=vocab).double() / tokens.numel()
