@@ -31,7 +31,20 @@ python3 -c "import accelerate, datasets, deepspeed, peft, transformers, triton" 
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -n 1
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
   } | tee "$OUT/machine.txt"
-PYTHONUNBUFFERED=1 timeout -k 10 "$LIMIT" python3 -m pytest -q -m "gpu or cuda_path" tests/unit -p no:cacheprovider \
+# SHARD=k/n runs the k-th of n shares of the test files (every n-th file from the k-th, in name
+# order), for when the whole run would not fit one command's time; the shares together are
+# the whole gate, and each prints its own closing line.
+files=(tests/unit)
+if [ -n "${SHARD:-}" ]; then
+    k=${SHARD%/*} n=${SHARD#*/}
+    [[ "$k" =~ ^[0-9]+$ && "$n" =~ ^[0-9]+$ && "$k" -ge 1 && "$k" -le "$n" ]] \
+        || { echo "gpu_tests.sh: SHARD must be k/n with 1 <= k <= n, got '$SHARD'" >&2; exit 2; }
+    mapfile -t all < <(ls tests/unit/test_*.py | sort)
+    files=()
+    for i in "${!all[@]}"; do [ $((i % n)) -eq $((k - 1)) ] && files+=("${all[$i]}"); done
+    echo "gpu_tests.sh: share $k of $n: ${#files[@]} of ${#all[@]} test files"
+fi
+PYTHONUNBUFFERED=1 timeout -k 10 "$LIMIT" python3 -m pytest -q -m "gpu or cuda_path" "${files[@]}" -p no:cacheprovider \
     --durations=15 --junitxml="$OUT/gpu-tests.xml" -o junit_family=xunit1 2>&1 | tee "$OUT/gpu-tests.log"
 rc=${PIPESTATUS[0]}
 python3 - "$OUT/gpu-tests.xml" <<'PY'
