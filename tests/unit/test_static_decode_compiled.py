@@ -89,6 +89,7 @@ def test_a_compiled_step_decodes_as_the_eager_loop(monkeypatch, fresh_dynamo, at
     assert again.completion_ids == StaticDecode(**kw, cuda_graphs=False, **loop).generate(
         model, others, keys[1:]).completion_ids
     # What an optimizer step does (new values in the same storage): the compiled code sees them.
+    torch.manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
