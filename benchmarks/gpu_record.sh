@@ -12,8 +12,9 @@
 # together); the others are commands of their own: PARTS=distill (with its teacher, about 8
 # minutes), PARTS="e2e_dpo real_lengths grpo_real" (about 9 minutes), PARTS=grpo_longest (at most 9
 # minutes: the longest completion ours (one completion a row) and TRL train at 8 x 8),
-# PARTS="compiled_decode compiled_generation compiled_grpo" (at most 9 minutes: StaticDecode's
-# step compiled by inductor against the uncompiled one, by part, in generation and in GRPO).
+# PARTS="compiled_decode attention compiled_generation compiled_grpo" (at most 9 min 20 s:
+# StaticDecode's step compiled by inductor against the uncompiled one, by part, in generation
+# and in GRPO; and one step's attention computed six ways, decode_attention.py).
 set -u
 OUT=${OUT:-$PWD/bench-out}
 MODEL=${MODEL:-/tmp/bench-model}
@@ -67,10 +68,11 @@ part grpo_longest 540 python3 benchmarks/e2e_grpo.py $X --longest_search --confi
     --markdown_out "$OUT/grpo_longest.md"
 part compiled_decode 120 python3 benchmarks/decode_profile.py $X --batches $BATCH --repeats 5 --compile \
     --model_dir "$MODEL" --markdown_out "$OUT/compiled_decode.md"
-part compiled_generation 180 python3 benchmarks/generation.py $X --batches $BATCH --repeats 1 \
+part attention 90 python3 benchmarks/decode_attention.py $X --repeats 20 --markdown_out "$OUT/attention.md"
+part compiled_generation 150 python3 benchmarks/generation.py $X --batches $BATCH --repeats 1 \
     --methods ours ours_compiled --model_dir "$MODEL" --log_dir "$OUT/compiled_generation" \
     --markdown_out "$OUT/compiled_generation.md"
-part compiled_grpo 240 python3 benchmarks/e2e_grpo.py $X --configs ours ours_compiled \
+part compiled_grpo 200 python3 benchmarks/e2e_grpo.py $X --configs ours ours_compiled \
     --warmup_steps 1 --timed_steps 2 --model_dir "$MODEL" --log_dir "$OUT/compiled_grpo" \
     --markdown_out "$OUT/compiled_grpo.md"
 part teacher 90 python3 -c "from benchmarks.builders.model import build_model as b; print(b('$TEACHER', $SHAPE, seed=1, shape='1.5b'))"

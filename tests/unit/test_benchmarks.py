@@ -327,3 +327,20 @@ def test_decode_profile_cpu_smoke_lists_each_part_and_the_attention_it_decoded_w
     decode_profile.main(["--device", "cpu", "--tiny", "--repeats", "1", "--transformers_attention",
                          "--markdown_out", str(out2)])
     assert "; sdpa attention," in out2.read_text()
+
+
+def test_decode_attention_cpu_smoke_times_every_variant_and_checks_it_against_float32(tmp_path):
+    """Each variant's row holds its time and its error against float32 arithmetic, which is
+    small for every variant the CPU runs; flex attention's row says why it did not run."""
+    from benchmarks import decode_attention
+
+    out = tmp_path / "attention.md"
+    assert decode_attention.main(["--device", "cpu", "--tiny", "--repeats", "1", "--batches", "3",
+                                  "--slots", "12", "20", "--markdown_out", str(out)]) == 0
+    rows = [line.split("|")[1:-1] for line in out.read_text().splitlines() if line.startswith("| 3 |")]
+    assert len(rows) == 2 * len(decode_attention.VARIANTS)
+    for batch, slots, variant, ms, read_mb, rate, error, step_ms in (map(str.strip, r) for r in rows):
+        if variant == "flex_compiled":
+            assert (ms, error) == ("—", "RuntimeError")
+            continue
+        assert float(ms) > 0 and float(error) < 1e-5, (variant, slots, ms, error)
