@@ -40,6 +40,7 @@ it as it is). For anything else `generate` is called instead, with the same flag
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Sequence
 
 import torch
@@ -126,6 +127,7 @@ class StaticDecode:
         self.compact_below = compact_below
         self.fused_sampling = fused_sampling
         self.compile_step = compile_step
+        self._announced = False
         self.fallback = HFGenerate(max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
                                    bos_token_id=bos_token_id, do_sample=do_sample, temperature=temperature,
                                    top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
@@ -222,6 +224,7 @@ class StaticDecode:
             # Dynamic shapes: one compilation serves every batch size (compaction), window and cache
             # length; dynamo keeps it for later calls (a new `decode_step` has the same code).
             decode_step = torch.compile(decode_step, dynamic=True)
+            self._announce_compilation()
 
         remaining = self.max_new_tokens - 1
         use_graphs = self.cuda_graphs and graphs_possible(device) and self.sampler is None
@@ -271,6 +274,15 @@ class StaticDecode:
             temperature=self.sampler.temperature if keyed else self.processing["temperature"],
             do_sample=self.do_sample, seen=state.seen, sampler=self.sampler,
             position=int(state.index) if keyed else 0)  # keyed: eager, a host read per token
+
+    def _announce_compilation(self) -> None:
+        """One line, on the first compiled call (from one rank): why that generation takes longer."""
+        if self._announced:
+            return
+        self._announced = True
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            print("[fusedalign] compiling the decoding step (compile_step, --compile_generation): the first "
+                  "generation takes longer, once a run", file=sys.stderr)
 
     def _window(self, written: int, L: int) -> int:
         """The cache slots a graph captured when `written` are in use attends to: up to the next

@@ -59,7 +59,7 @@ def _stand_in_graphs(monkeypatch) -> list[int]:
 
 
 @pytest.mark.parametrize("attn,penalty", [("sdpa", 1.4), ("eager", 1.0)])
-def test_a_compiled_step_decodes_as_the_eager_loop(monkeypatch, fresh_dynamo, attn, penalty):
+def test_a_compiled_step_decodes_as_the_eager_loop(monkeypatch, capsys, fresh_dynamo, attn, penalty):
     """Greedy tokens equal the uncompiled loop's, through graph windows of 4 slots and a
     compaction; dynamo compiles the step once, without graph breaks, and later calls (new
     cache, new state, other prompts, weights changed in place) run the same compiled code and
@@ -98,6 +98,8 @@ def test_a_compiled_step_decodes_as_the_eager_loop(monkeypatch, fresh_dynamo, at
         model, prompts, keys).completion_ids
     assert after.completion_ids != got.completion_ids
     assert counters["stats"]["unique_graphs"] == 1
+    # One line says why the first generation takes longer, once.
+    assert capsys.readouterr().err.count("[fusedalign] compiling the decoding step") == 1
 
 
 def test_a_keyed_sampler_keeps_the_step_uncompiled():
