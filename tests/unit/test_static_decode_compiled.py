@@ -145,3 +145,19 @@ def test_compiled_draws_are_fresh_samples_of_the_processed_softmax(fresh_dynamo)
     assert abs(repeated - (want ** tokens.shape[1]).sum()) < 0.02, (repeated, (want ** tokens.shape[1]).sum())
     # and each row's draws differ from the other rows' (noise per row, not per step)
     assert (tokens[:, 0] != tokens[0, 0]).any()
+
+
+def test_a_compiled_step_with_the_sampling_head_decodes_as_the_eager_loop(fresh_dynamo):
+    """The sampling head swaps the head's forward inside the step (dynamo breaks the graph
+    there); the greedy tokens stay those of the uncompiled loop."""
+    model = load_model("builtin:tiny-qwen2", attn_implementation="sdpa").eval()
+    tok = load_tokenizer("builtin:tiny-qwen2")
+    prompts, keys = _prompts(), _keys(len(PROMPT_LENGTHS))
+    kw = dict(max_new_tokens=10, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, do_sample=False,
+              fused_sampling=True)
+    want = StaticDecode(**kw, cuda_graphs=False).generate(model, prompts, keys)
+    decode = StaticDecode(**kw, compile_step=True)
+    got = decode.generate(model, prompts, keys)
+    assert decode.last_call["compiled"] is True and decode.last_call["fused_sampling"] is True
+    assert got.completion_ids == want.completion_ids
+    assert counters["stats"]["unique_graphs"] >= 1
