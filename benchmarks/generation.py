@@ -73,6 +73,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--peak_tb_s", type=float, default=None,
                    help="memory bandwidth for the decode limit (default: the GPU's datasheet value, where known)")
     p.add_argument("--peak_tflops", type=float, default=None, help="dense bf16 TFLOP/s for the decode limit (idem)")
+    p.add_argument("--compact_below", type=float, default=0.5,
+                   help="ours: StaticDecode's compact_below (the live share of rows at or under which they "
+                        "continue as a smaller batch; 0: never)")
     p.add_argument("--repeats", type=int, default=2, help="timed calls per batch size (after one untimed)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--worker_timeout", type=int, default=900)
@@ -118,7 +121,8 @@ def generation_config(args, method: str, pad: int, eos: int):
 
         return StaticDecode(max_new_tokens=args.new_tokens, eos_token_id=eos, pad_token_id=pad, temperature=1.0,
                             top_p=1.0, top_k=0, cuda_graphs=method != "ours_eager",
-                            fused_sampling=method == "ours_fused", compile_step=method == "ours_compiled")
+                            fused_sampling=method == "ours_fused", compile_step=method == "ours_compiled",
+                            compact_below=args.compact_below)
 
     options = dict(max_new_tokens=args.new_tokens, do_sample=True, temperature=1.0, top_p=1.0, top_k=0, use_cache=True,
                    pad_token_id=pad, eos_token_id=None if args.fit is None else eos, bos_token_id=None)
@@ -188,7 +192,8 @@ def run_worker(args) -> int:
             result["batches"][str(batch)] = dict(
                 times_s=times, first_call_s=first, new_tokens=produced, expected=batch * args.new_tokens,
                 tokens_per_s=statistics.median(produced) / median,
-                peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None)
+                peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+                last_call=getattr(config, "last_call", None))  # ours: how StaticDecode's last call ran
             log(f"{args.worker} batch {batch}: {statistics.median(produced) / median:,.0f} new tokens/s "
                 f"(first call {first:.1f} s)")
         result["status"] = "ok"
@@ -236,7 +241,7 @@ def table(args, results: dict) -> str:
                f"lengths log-normal, median {args.fit.median:g}, p95 {args.fit.p95:g}, mean "
                f"{ending.expected_length(args.fit, args.new_tokens):.0f} after truncation")
     title = (f"### generation, {args.prompt_length}-token prompts, at most {args.new_tokens} sampled new tokens "
-             f"({lengths}; median of {args.repeats})")
+             f"({lengths}; ours compacting at {args.compact_below:g} of the rows live; median of {args.repeats})")
     columns = ["batch", "method", "new tokens/s", "tokens a row", "peak GiB", "s a call", "first call s",
                "vs dynamic", "of the decode limit"]
     return title + "\n\n" + markdown(columns, rows, numeric={0, 2, 3, 4, 5, 6, 7, 8})
@@ -266,7 +271,7 @@ def main(argv=None) -> int:
             argv = [sys.executable, "-u", os.path.abspath(__file__), "--worker", method, "--device", args.device,
                     "--model_dir", args.model_dir, "--batches", *map(str, args.batches), "--prompt_length",
                     str(args.prompt_length), "--new_tokens", str(args.new_tokens), "--repeats", str(args.repeats),
-                    "--completion_lengths", args.completion_lengths,
+                    "--completion_lengths", args.completion_lengths, "--compact_below", str(args.compact_below),
                     "--seed", str(args.seed)] + (["--tiny"] if args.tiny else [])
             log(f"{method}: running ...")
             results[method] = runner.launch(argv, f"generation-{method}", log_dir=args.log_dir, device=args.device,

@@ -344,3 +344,23 @@ def test_decode_attention_cpu_smoke_times_every_variant_and_checks_it_against_fl
             assert (ms, error) == ("—", "RuntimeError")
             continue
         assert float(ms) > 0 and float(error) < 1e-5, (variant, slots, ms, error)
+
+
+def test_generation_benchmark_hands_its_compaction_share_to_static_decode(tmp_path):
+    """`--compact_below` reaches StaticDecode: with completions of log-normal lengths, 0.9
+    compacts the batch as rows finish, 0 never does."""
+    import json
+
+    from benchmarks import generation
+
+    sizes = {}
+    for share in ("0.9", "0"):
+        out = tmp_path / share
+        assert generation.main(["--device", "cpu", "--tiny", "--methods", "ours", "--batches", "8", "--repeats", "1",
+                                "--new_tokens", "64", "--completion_lengths", "lognormal:20:60",
+                                "--compact_below", share, "--log_dir", str(out),
+                                "--markdown_out", str(out / "table.md")]) == 0
+        result = json.loads((out / "results.json").read_text())["results"]["ours"]
+        sizes[share] = result["batches"]["8"]["last_call"]["batch_sizes"]
+        assert f"compacting at {float(share):g} of the rows live" in (out / "table.md").read_text()
+    assert len(sizes["0.9"]) >= 2 and sizes["0.9"][0] == 8 and sizes["0"] == [8], sizes
