@@ -13,8 +13,9 @@ captured as a CUDA graph of its own and replayed --repeats times between two CUD
 
 then the whole step as one graph (what StaticDecode replays) and the whole step eager (what
 the host adds: the launches); with --compile, the whole step compiled by inductor and then
-captured (what StaticDecode(compile_step=True) replays). The decode limit of the shape at that batch and context
-(`harness/decode_limit.py`, datasheet peaks) sets the floor the step could reach.
+captured (what StaticDecode(compile_step=True) replays). The decode limit of the shape at
+that batch and context (`harness/decode_limit.py`, datasheet peaks) sets the floor the step
+could reach.
 
 Examples:
     python benchmarks/decode_profile.py                          # batch 64 256 512
