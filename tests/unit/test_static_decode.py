@@ -334,24 +334,9 @@ def test_graph_windows_cover_every_slot_a_step_attends_to(monkeypatch, window):
     """The loop's graph bookkeeping on the CPU: a stand-in for CUDA graphs replays the step with
     the window it was captured with, as a graph would. Had a window been too small for a step,
     the step would not see its last tokens and the greedy tokens would differ from generate's."""
-    from fusedalign.generation import static
+    from tests.stand_in_graphs import stand_in_graphs
 
-    captured = []
-
-    class Graph:
-        def __init__(self, step, slots):
-            self.step, self.slots = step, slots
-
-        def replay(self):
-            self.step(self.slots)
-
-    def capture(step, device, slots):
-        step(slots)  # the warm-up is a real step
-        captured.append(slots)
-        return Graph(step, slots)
-
-    monkeypatch.setattr(static, "graphs_possible", lambda device: True)
-    monkeypatch.setattr(static, "capture_step", capture)
+    captured = stand_in_graphs(monkeypatch)
     model = load_model("builtin:tiny-qwen2", attn_implementation="sdpa").eval()
     tok = load_tokenizer("builtin:tiny-qwen2")
     prompts, keys = _prompts(), _keys(len(PROMPT_LENGTHS))

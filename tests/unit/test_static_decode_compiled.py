@@ -11,9 +11,10 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from fusedalign.generation import StaticDecode, static
+from fusedalign.generation import StaticDecode
 from fusedalign.generation.static import process_logits
 from fusedalign.models import load_model, load_tokenizer
+from tests.stand_in_graphs import stand_in_graphs
 
 PROMPT_LENGTHS = (3, 7, 5, 1, 9)
 
@@ -36,28 +37,6 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-def _stand_in_graphs(monkeypatch) -> list[int]:
-    """CUDA graphs replaced by a replay of the step with the window it was captured with; returns
-    the windows captured."""
-    captured = []
-
-    class Graph:
-        def __init__(self, step, slots):
-            self.step, self.slots = step, slots
-
-        def replay(self):
-            self.step(self.slots)
-
-    def capture(step, device, slots):
-        step(slots)  # the warm-up is a real step
-        captured.append(slots)
-        return Graph(step, slots)
-
-    monkeypatch.setattr(static, "graphs_possible", lambda device: True)
-    monkeypatch.setattr(static, "capture_step", capture)
-    return captured
-
-
 @pytest.mark.parametrize("attn,penalty", [("sdpa", 1.4), ("eager", 1.0)])
 def test_a_compiled_step_decodes_as_the_eager_loop(monkeypatch, capsys, fresh_dynamo, attn, penalty):
     """Greedy tokens equal the uncompiled loop's, through graph windows of 4 slots and a
@@ -75,7 +54,7 @@ def test_a_compiled_step_decodes_as_the_eager_loop(monkeypatch, capsys, fresh_dy
     loop = dict(window_slots=4, compact_below=0.9, check_every=2)
     want = StaticDecode(**kw, cuda_graphs=False, **loop).generate(model, prompts, keys)
 
-    captured = _stand_in_graphs(monkeypatch)
+    captured = stand_in_graphs(monkeypatch)
     decode = StaticDecode(**kw, compile_step=True, **loop)
     got = decode.generate(model, prompts, keys)
     assert decode.last_call["compiled"] is True and decode.last_call["graphs"] >= 3
