@@ -33,12 +33,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.decode_profile import Clock  # noqa: E402
 from benchmarks.harness.env import log, versions, versions_line  # noqa: E402
 from benchmarks.harness.tables import fmt, markdown, write_markdown  # noqa: E402
 
@@ -138,36 +138,6 @@ def variants(names, device) -> dict:
     return {name: table[name] for name in names}
 
 
-def milliseconds(fn, device, repeats: int) -> float:
-    """A call's milliseconds: CUDA graph replays between events on CUDA (after a warm-up call,
-    which compiles), eager wall clock on the CPU."""
-    import torch
-
-    fn()  # warm-up: compilation, autotuning
-    if device.type != "cuda":
-        t0 = time.perf_counter()
-        for _ in range(repeats):
-            fn()
-        return (time.perf_counter() - t0) * 1000 / repeats
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(repeats):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats
-
-
 def main(argv=None) -> int:
     import torch
 
@@ -178,6 +148,7 @@ def main(argv=None) -> int:
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     rows = []
     fns = variants(args.variants, device)
+    clock = Clock(device, args.repeats)
     title = (f"### one decoding step's attention ({gpu}; {args.heads} query heads, {args.kv_heads} key/value heads "
              f"of {args.head_dim}, {str(dtype).removeprefix('torch.')}; "
              f"{'CUDA graph replays' if device.type == 'cuda' else 'eager, wall clock'}, mean of {args.repeats})")
@@ -195,7 +166,7 @@ def main(argv=None) -> int:
                         raise RuntimeError("CUDA only (compiled flex attention with one query position is wrong "
                                            "on the CPU)")
                     error = (fn(*call).float() - want).abs().max().item()
-                    ms = milliseconds(lambda: fn(*call), device, args.repeats)
+                    ms = clock.graph_ms(lambda: fn(*call))  # its warm-up call compiles
                     cells = [f"{ms:.4f}", f"{read_mb / ms / 1e3:.2f}", f"{error:.1e}", f"{ms * args.layers:.3f}"]
                 except Exception as exc:  # a variant this torch or device cannot run: say why, go on
                     log(f"{name} at batch {batch}, {slots} slots: {type(exc).__name__}: {exc}")
