@@ -6,7 +6,7 @@ checked where it can break on a backend: the KL in the reward needs the policy's
 reference's log-probs of every completion at generation, through each backend's wrapper, then
 gathered over ranks with the rewards before the leave-one-out baseline (`kl`); num_iterations 2
 makes the second update off-policy, so the whole-sequence ratio leaves 1 and clips
-(`mu2_kl`, with normalize_advantages, reward_clip_range and epsilon_high); and groups of 8
+(`mu2_kl`, with normalize_advantages, reward_clip_range and a narrow epsilon/epsilon_high); and groups of 8
 span both ranks (`span`: each baseline needs the other rank's rewards and KL). Per step: the
 loss, rewards, KL, entropy and clip ratio; at the end every weight, to 1e-5. On every backend,
 packed shared-prompt rows under a token budget, beta > 0, num_iterations 2 (`packed_kl_mu2`) against the padded baseline.
@@ -21,8 +21,12 @@ from tests.distributed.parity import BACKENDS, assert_same_training, lazy_runs, 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 RLOO = {"trainer": "rloo", "steps": 3}
+# Off-policy updates that clip at the default learning rate, through a narrow clip range. (At a
+# learning rate of 0.5 with the default range, float32 rounding of the fused head against the
+# unfused one grew past the 1e-5 weight tolerance by step 3 on an AVX-512/AMX Xeon; here the
+# worst weight is at 3% of the tolerance on that machine.)
 MU2 = {"beta": 0.1, "num_iterations": 2, "normalize_advantages": True, "reward_clip_range": [0.1, 0.8],
-       "epsilon_high": 0.28, "lr": 0.5}
+       "epsilon": 0.05, "epsilon_high": 0.07, "lr": 0.1}
 
 BASELINE = [
     {**RLOO, "name": "kl", "fused": False, "per_device_batch": 8, "beta": 0.1},
@@ -36,8 +40,8 @@ _mu2 = ({**RLOO, "name": "mu2_kl", "fused": True, "per_device_batch": 4, **MU2},
 _span = ({**RLOO, "name": "span", "fused": True, "per_device_batch": 4, "num_generations": 8, "beta": 0.1}, "span")
 # Packed rows: padding_free, share_prompt, a token budget; 2 ranks x accumulation 2 x batch 2, the
 # generation's sequence log-probs (the KL in the reward) and the old policy's on the same rows.
-# (At mu2_kl's learning rate of 0.5 the packed rows' attention rounding, ~1e-7 a log-prob, grows
-# past 1e-5 in a few lm_head weights by step 3; the default 0.1 keeps the comparison at 1e-5.)
+# (At a learning rate of 0.5 the packed rows' attention rounding, ~1e-7 a log-prob, grows past
+# 1e-5 in a few lm_head weights by step 3; the default 0.1 keeps the comparison at 1e-5.)
 _packed = ({**RLOO, "name": "packed_kl_mu2", "fused": True, "per_device_batch": 2, "grad_accum": 2, "beta": 0.1,
             "num_iterations": 2, "padding_free": True, "share_prompt": True, "max_tokens_per_batch": 80}, "kl_mu2")
 SCENARIOS = {"ddp": [_kl, _mu2, _span, _packed], "zero2": [_kl, _mu2, _packed], "zero3": [_kl, _mu2, _span, _packed],

@@ -122,9 +122,19 @@ def test_chat_template_generation_prompt_and_assistant_mask(tokenizer):
     assert assistant == "better than ugly.<|im_end|>better than never.<|im_end|>"
 
 
+# The teacher is trained (float32, a few hundred optimizer steps), and CPUs of other instruction
+# sets (AVX2, AVX-512, AMX) sum its matmuls in other orders: rebuilt on another CPU, its weights
+# differ by rounding that training amplifies, seen up to 3.5e-3 of a tensor's norm (an AVX-512/AMX
+# Xeon against the machine that built it) for a matrix and 9e-5 for a norm's weight vector.
+# tiny-llama (its shape, another seed, untrained) differs from it by a matrix's whole norm and by
+# at least 1.5e-2 in a norm's weights.
+TEACHER_RTOL = {2: 2e-2, 1: 2e-3}  # by the tensor's number of dimensions
+
+
 @pytest.mark.slow
 def test_build_script_is_deterministic(tmp_path):
-    """Rebuilding the resources gives the committed datasets, tokenizer and weights."""
+    """Rebuilding the resources gives the committed datasets, tokenizer and weights: bit for bit
+    for the initialised models, within TEACHER_RTOL of each tensor's norm for the trained teacher."""
     subprocess.run([sys.executable, str(REPO / "scripts" / "build_resources.py"), "--out", str(tmp_path)],
                    check=True, capture_output=True)
     resources = MODELS_DIR.parent
@@ -135,7 +145,13 @@ def test_build_script_is_deterministic(tmp_path):
     for name in FAMILIES:
         new = load_file(str(tmp_path / "models" / name / "model.safetensors"))
         old = load_file(str(MODELS_DIR / name / "model.safetensors"))
-        assert new.keys() == old.keys() and all(torch.equal(new[k], old[k]) for k in new)
+        assert new.keys() == old.keys(), name
+        for key in new:
+            if name == "tiny-zen-teacher":
+                drift = (new[key] - old[key]).norm() / old[key].norm()
+                assert drift < TEACHER_RTOL[old[key].dim()], (name, key, float(drift))
+            else:
+                assert torch.equal(new[key], old[key]), (name, key)
 
 
 # ------------------------------------------------------------- hub names offline (issue 19, item 8)
