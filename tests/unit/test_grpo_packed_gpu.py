@@ -1,5 +1,5 @@
 """GRPO and RLOO on packed rows (`padding_free`, `share_prompt`, a token budget just above the longest
-group; and one just above the longest completion, which trains each micro-batch in parts) train as on
+group; and the smallest one the trainer accepts, which trains each micro-batch in parts) train as on
 padded rows, both fused: GRPO in bf16 on CUDA on the Qwen2.5-0.5B shape (marked
 gpu), and the same check for GRPO and RLOO in float32 on the CPU on the builtin tiny model. RLOO
 shares every packed pass with GRPO (it differs in its advantages and where its KL goes), so the
@@ -56,13 +56,15 @@ def _replay(shape: Shape, eos: int):
 
 
 def _budgets(shape: Shape, prompts, replay, tokenizer) -> tuple[int, int]:
-    """One token above the longest prompt group in a shared-prompt row (one row a micro-batch), and one
-    above the longest prompt + completion (each micro-batch in parts)."""
+    """One token above the longest prompt group in a shared-prompt row (one row a micro-batch), and the
+    smallest budget the trainer accepts (each micro-batch in parts): one token above the longest
+    prompt + completion, at least the longest prompt + max_completion_length (check_budget)."""
     rows, _ = prepare_prompt_dataset(prompts, tokenizer)
     lengths = [(len(rows[r]["prompt_ids"]), [len(replay.records[(r, g)][0]) for g in range(shape.generations)])
                for r in range(shape.rows)]
     return (1 + max(group_tokens(p, cs, True) for p, cs in lengths),
-            1 + max(p + c for p, cs in lengths for c in cs))
+            max(1 + max(p + c for p, cs in lengths for c in cs),
+                max(p for p, _ in lengths) + shape.max_completion_length))
 
 
 def _train(shape: Shape, trainer: str, device: str, dtype: torch.dtype, out, prompts, replay, **layout):
