@@ -84,6 +84,7 @@ def end_at_lengths(model: Any, fit: LengthFit, eos: int, max_new_tokens: int) ->
     device = next(model.parameters()).device
     logit_h = torch.tensor([math.log(h / (1 - h)) for h in hazards(fit, max_new_tokens)], device=device)
     k = torch.zeros((), dtype=torch.long, device=device)
+    eos_index = torch.tensor([eos], device=device)  # made here: a step captured as a CUDA graph copies nothing from the host
 
     def hook(module, args, kwargs, output):
         if not decoding(kwargs):
@@ -94,7 +95,7 @@ def end_at_lengths(model: Any, fit: LengthFit, eos: int, max_new_tokens: int) ->
         else:
             k.add_(1)
         z = output.logits[:, -1]
-        others = z.float().index_fill(-1, torch.tensor([eos], device=z.device), float("-inf")).logsumexp(-1)
+        others = z.float().index_fill(-1, eos_index, float("-inf")).logsumexp(-1)
         z[:, eos] = (others + logit_h[k.clamp(max=max_new_tokens - 1)]).to(z.dtype)
         return None
 

@@ -73,3 +73,31 @@ def test_the_benchmark_model_generates_with_a_kv_cache(tmp_path):
     model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
                    generation_config=GenerationConfig(max_new_tokens=3, do_sample=False, pad_token_id=0))
     assert widths == [4, 1, 1]
+
+
+def test_the_hook_makes_no_tensor_from_host_data_while_decoding(monkeypatch):
+    """A decoding step captured as a CUDA graph may not copy from the host: the hook's tensors are
+    made when it is installed (a torch.tensor inside it failed under StaticDecode's capture on CUDA)."""
+    from types import SimpleNamespace
+
+    model = load_model("builtin:tiny-qwen2").eval()
+    eos = model.config.vocab_size - 1
+    handle = ending.end_at_lengths(model, FIT, eos, MAX_NEW)
+    try:
+        hook = model._forward_hooks[handle.id]
+        logits = torch.zeros(3, 1, model.config.vocab_size)
+
+        def refuse(*args, **kwargs):
+            raise AssertionError("torch.tensor called while decoding")
+
+        monkeypatch.setattr(torch, "tensor", refuse)
+        for _ in range(2):  # a step as replayed: one new token a row
+            hook(model, (), {"input_ids": torch.zeros(3, 1, dtype=torch.long), "past_key_values": object()},
+                 SimpleNamespace(logits=logits))
+    finally:
+        monkeypatch.undo()
+        handle.remove()
+    # The EOS logit now gives the hazard of completion position 2 (k advanced twice from 0).
+    h = ending.hazards(FIT, MAX_NEW)[2]
+    p_eos = torch.softmax(logits[:, -1].double(), -1)[:, eos]
+    torch.testing.assert_close(p_eos, torch.full((3,), h, dtype=torch.float64), rtol=1e-5, atol=1e-7)
