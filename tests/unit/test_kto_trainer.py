@@ -334,7 +334,7 @@ def _assert_same_logs(got, want, steps: int = 3, beta: float = 0.5):
     num_tokens, grad_norm), and the final weights, to 1e-5 (weights: 1e-7 absolute).
 
     Rewards and z0 are beta times differences of float32 sums of size |logps| ("scale"): the fused
-    head's rounding (~1e-7 of a log-prob, its soft-capping's tanh included) enters them as about
+    head's rounding against the unfused one (~1e-7 of a log-prob) enters them as about
     1e-7 of that scale, compared to 2e-6 of it. Through the loss's sigmoid the same error enters
     every gradient: grad_norm gets 1e-7 of the largest step's scale on top of its 1e-5, the weights
     (SGD) 1e-8 of it on top of their 1e-7. Rows of 200 tokens (scale 163) need that: there the
