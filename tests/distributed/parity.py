@@ -73,6 +73,12 @@ def assert_same_training(got_out: Path, got: str, want_out: Path, want: str, *, 
         assert got_res["world_size"] == 2 and got_res["distributed_type"] == dist_type, got_res
         if wrapper:
             assert got_res["wrapper"] == wrapper, got_res
+        # A separate frozen model (reference, teacher) and a reward model are split over the ranks
+        # where the backend splits the policy.
+        split = backend in ("zero3", "fsdp2")
+        if got_res["frozen_partitioned"] is not None:
+            assert got_res["frozen_partitioned"] == split, got_res
+        assert all(p == split for p in got_res["reward_models_partitioned"]), got_res
     # A compiled scenario must really have compiled (and an eager one must not have).
     assert (got_res["compiled_graphs"] > 0) == got_res["compile_layers"], got_res
     # The loss-aware head ran in every training forward where the trainer declared its loss,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import sys
 
-from run_scenarios import run_all, save_result  # a sibling: this script's folder is on the path
+from run_scenarios import partitioned, run_all, save_result  # a sibling: this script's folder is on the path
 
 
 def build_trainer(spec: dict, out_dir: str):
@@ -60,32 +60,9 @@ def build_trainer(spec: dict, out_dir: str):
     trainer = DistillOnData(model=load_model(spec.get("model", "builtin:tiny-qwen2")), args=args, train_dataset=train,
                             peft_config=peft_config)
     trainer.teacher = prepare_reference_model(teacher, trainer.accelerator)
-    if spec.get("shard_teacher"):
-        trainer.teacher = _fsdp2_sharded(trainer.teacher)
     # How the backend holds the teacher before training: ZeRO-3 partitions (ds_numel), FSDP2 shards (DTensor).
-    trainer.teacher_partitioned = _partitioned(trainer.teacher)
+    trainer.teacher_partitioned = partitioned(trainer.teacher)
     return trainer
-
-
-def _fsdp2_sharded(model):
-    """The frozen teacher sharded by FSDP2 like the student: each decoder layer, then the root."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
-
-
-def _partitioned(model) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    params = list(model.parameters())
-    zero3 = all(hasattr(p, "ds_numel") and p.numel() < p.ds_numel for p in params)
-    return zero3 or all(isinstance(p, DTensor) for p in params)
 
 
 def run(spec: dict, out_root: str) -> None:

@@ -160,7 +160,11 @@ def _grpo_trainer(spec: dict, common: dict, peft_config):
     replay = uneven_replay(32, generations, load_tokenizer("builtin:tiny-qwen2").eos_token_id,
                            truncate_every=spec.get("truncate_every", 4), truncate_rows=spec.get("truncate_rows", ()))
     # keyed: real generation (generation_weights on the backend) with draws that do not depend on the split.
-    return trainer_cls(load_model(spec.get("model", "builtin:tiny-qwen2")), reward_funcs=token_sum_reward, args=args,
+    # A reward model beside the token sum: a path, loaded by the trainer as a user's would be.
+    from tests.reward_model import REWARD_MODEL_ENV
+
+    rewards = [token_sum_reward, os.environ[REWARD_MODEL_ENV]] if spec.get("reward_model") else token_sum_reward
+    return trainer_cls(load_model(spec.get("model", "builtin:tiny-qwen2")), reward_funcs=rewards, args=args,
                        train_dataset=prompts, peft_config=peft_config,
                        generator=None if spec.get("keyed") else _RecordedKeys(replay, common["output_dir"]))
 
@@ -217,6 +221,11 @@ def run(spec: dict, out_root: str) -> None:
     from tests.micro_batches import record_micro_batches
 
     graphs_before = counters["stats"]["unique_graphs"]
+    # Before training: a precomputed reference is let go after its pass, and ZeRO-3 keeps small
+    # parameters whole once they have been used.
+    frozen = frozen_model(trainer)
+    frozen_partitioned = None if frozen is None else partitioned(frozen)
+    rewards_partitioned = [partitioned(model) for model in reward_models(trainer)]
     micro_batches = record_micro_batches(trainer)
     head = HeadCalls().start()
     resume = os.path.join(out_dir, f"checkpoint-{spec['resume_at']}") if spec.get("resume_at") else None
@@ -234,6 +243,9 @@ def run(spec: dict, out_root: str) -> None:
         "distributed_type": str(trainer.accelerator.distributed_type),
         "wrapper": type(trainer.model_wrapped).__name__,
         "model_class": type(trainer.model).__name__,
+        # The separate frozen model (reference or teacher), if any, and whether the backend split it over the ranks.
+        "frozen_partitioned": frozen_partitioned,
+        "reward_models_partitioned": rewards_partitioned,  # the same for each reward model
         # Whether the layers were to be compiled, and the graphs dynamo compiled while training.
         "compile_layers": trainer.args.compile_layers,
         "compiled_graphs": counters["stats"]["unique_graphs"] - graphs_before,
@@ -261,6 +273,37 @@ def run(spec: dict, out_root: str) -> None:
         metrics = trainer.evaluate()
         result["eval"] = {k: v for k, v in metrics.items() if isinstance(v, float) and "runtime" not in k and "per_second" not in k}
     save_result(trainer, out_dir, result)
+
+
+def frozen_model(trainer):
+    """The trainer's separate frozen model: a distillation teacher or a reference model; None if it has none."""
+    teacher = getattr(trainer, "teacher_model", None)
+    if teacher is not None:
+        return teacher
+    reference = getattr(trainer, "reference", None)
+    return getattr(reference, "model", None)
+
+
+def reward_models(trainer) -> list:
+    """The models of GRPO's and RLOO's model-based reward functions (none for other trainers)."""
+    funcs = getattr(getattr(getattr(trainer, "rollout", None), "reward_funcs", None), "funcs", ())
+    return [func.model for func in funcs if hasattr(func, "prepare")]
+
+
+def partitioned(model) -> bool:
+    """Whether the backend manages every parameter and this rank holds only a part of the model: ZeRO-3
+    (ds_numel) or FSDP2 (DTensor shards of dim 0; a parameter of one row lies all on rank 0, so the part
+    is measured over the whole model)."""
+    from torch.distributed.tensor import DTensor
+
+    params = list(model.parameters())
+    if params and all(hasattr(p, "ds_numel") for p in params):
+        held, whole = sum(p.numel() for p in params), sum(p.ds_numel for p in params)
+    elif params and all(isinstance(p, DTensor) for p in params):
+        held, whole = sum(p.to_local().numel() for p in params), sum(p.numel() for p in params)
+    else:
+        return False
+    return held < whole
 
 
 def save_result(trainer, out_dir: str, result: dict) -> None:

@@ -6,8 +6,8 @@ generalised JSD (beta 0.5, temperature 0.1: sharp enough for the weights to move
 the same global batch of 4 rows: one process unfused (both models' full logits, TRL's formula)
 against 2 ranks x 2 rows with the fused heads, per step loss and entropy, and final weights.
 Under ZeRO-3 the teacher is a DeepSpeed inference engine holding 1/2 of each parameter; under
-FSDP2 it is sharded per layer and root like the student; under DDP and ZeRO-2 each rank holds a
-whole copy. Under ZeRO-3 and FSDP2, with LoRA on the student's head the adapter trains the same.
+FSDP2 `prepare_reference_model` shards it per layer and root like the student; under DDP and
+ZeRO-2 each rank holds a whole copy. Under ZeRO-3 and FSDP2, with LoRA on the student's head the adapter trains the same.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ SCENARIOS = {
     "zero2": [{**BASE, "name": "plain", "fused": True, "per_device_batch": 2}],
     "zero3": [{**BASE, "name": "plain", "fused": True, "per_device_batch": 2},
               {**BASE, "name": "lora", "fused": True, "per_device_batch": 2, "lora_head": True}],
-    "fsdp2": [{**BASE, "name": "plain", "fused": True, "per_device_batch": 2, "shard_teacher": True},
-              {**BASE, "name": "lora", "fused": True, "per_device_batch": 2, "lora_head": True, "shard_teacher": True}],
+    "fsdp2": [{**BASE, "name": "plain", "fused": True, "per_device_batch": 2},
+              {**BASE, "name": "lora", "fused": True, "per_device_batch": 2, "lora_head": True}],
 }
 
 

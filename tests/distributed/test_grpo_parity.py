@@ -7,7 +7,8 @@ after the reward gather. Per step: the loss, the rewards, KL and entropy; at the
 weight, to 1e-5. Plus beta > 0 with a separate reference and with the policy's adapter
 disabled (LoRA on lm_head), an all-masked step, and real generation with keyed sampling
 (the same draws on any split) under ZeRO-3 and FSDP2, a training step after every generation,
-once through transformers' generate and once through StaticDecode's own decoding loop; and,
+once through transformers' generate and once through StaticDecode's own decoding loop; a
+reward model beside the token sum (split over the ranks by ZeRO-3 and FSDP2); and,
 under ZeRO-3, a keyed run with num_iterations 2 stopped inside a generation window and resumed
 from its checkpoint by new processes.
 
@@ -33,6 +34,7 @@ import torch
 import pytest
 
 from tests.distributed.parity import BACKENDS, assert_same_training, lazy_runs, result
+from tests.reward_model import REWARD_MODEL_ENV, save_tiny_reward_model
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -58,6 +60,7 @@ BASELINE = [
     {**GRPO, "name": "keyed_mu2", "fused": False, "per_device_batch": 8, "keyed": True, "num_iterations": 2},
     {**GRPO, "name": "grpo_kl_mu2", "fused": False, "per_device_batch": 8, "loss_type": "grpo", "beta": 0.1,
      "num_iterations": 2},
+    {**GRPO, "name": "reward_model", "fused": False, "per_device_batch": 8, "reward_model": True},
 ]
 _common = [
     ({**GRPO, "name": "fused", "fused": True, "per_device_batch": 4}, "dapo"),
@@ -92,12 +95,16 @@ _packed_ckpt = ({**_packed[0], "name": "packed_kl_mu2_ckpt", "gradient_checkpoin
 # its 2 micro-batches, so each micro-batch is trained in parts, one forward and backward each, as many
 # on every rank (the most either needs), the gradient sync deferred to the last part.
 _parts = ({**_packed[0], "name": "packed_parts_kl_mu2", "max_tokens_per_batch": PARTS_BUDGET}, "grpo_kl_mu2")
+# A reward model (a path in reward_funcs) beside the token sum: held whole on DDP and ZeRO-2, split
+# over the ranks by ZeRO-3 and FSDP2 as a frozen reference is.
+_reward_model = ({**GRPO, "name": "reward_model", "fused": True, "per_device_batch": 4, "reward_model": True},
+                 "reward_model")
 SCENARIOS = {
-    "ddp": _common + [_lora, _span, _accum, _masked_rank0, _packed, _packed_ckpt, _parts],
-    "zero2": _common + [_kl, _packed, _packed_ckpt, _parts],
+    "ddp": _common + [_lora, _span, _accum, _masked_rank0, _packed, _packed_ckpt, _parts, _reward_model],
+    "zero2": _common + [_kl, _packed, _packed_ckpt, _parts, _reward_model],
     "zero3": _common + [_kl, _lora, _keyed, _keyed_static, _span, _masked_rank0, _resumed, _packed, _packed_ckpt,
-                        _parts],
-    "fsdp2": _common + [_kl, _lora, _keyed, _keyed_static, _packed, _packed_ckpt, _parts],
+                        _parts, _reward_model],
+    "fsdp2": _common + [_kl, _lora, _keyed, _keyed_static, _packed, _packed_ckpt, _parts, _reward_model],
 }
 CASES = [(backend, spec["name"], want) for backend in BACKENDS for spec, want in SCENARIOS[backend]]
 COMPARED = ("reward", "reward_std", "kl", "entropy", "completions/mean_length", "clip_ratio/region_mean")
@@ -105,7 +112,10 @@ COMPARED = ("reward", "reward_std", "kl", "entropy", "completions/mean_length", 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return lazy_runs(tmp_path_factory.mktemp("grpo_parity"), BASELINE, SCENARIOS)
+    root = tmp_path_factory.mktemp("grpo_parity")
+    with pytest.MonkeyPatch.context() as patch:  # the runners read the reward model's path from it
+        patch.setenv(REWARD_MODEL_ENV, str(save_tiny_reward_model(root / "reward_model")))
+        yield lazy_runs(root, BASELINE, SCENARIOS)
 
 
 def _assert_same_history(got: dict, want: dict) -> None:
@@ -122,6 +132,9 @@ def test_baseline_fused_equals_unfused_and_masked_steps_train_nothing(runs):
     _assert_same_history(result(single, "dapo_fused"), result(single, "dapo"))
     assert result(single, "grpo_kl")["history"][1]["kl"] > 0 and result(single, "lora_kl")["history"][0]["kl"] > 0
     assert result(single, "masked")["losses"] == [0.0, 0.0, 0.0]
+    # The reward model's scores reach the rewards: the sum differs from the token sum's alone.
+    assert all(a["reward"] != b["reward"] for a, b in zip(result(single, "reward_model")["history"],
+                                                         result(single, "dapo")["history"]))
 
 
 @pytest.mark.parametrize("backend,name,want", CASES, ids=[f"{b}-{n}" for b, n, _ in CASES])
@@ -133,6 +146,8 @@ def test_backend_equals_single_process_unfused(runs, backend, name, want):
         forwards, largest = result(got, name)["forwards_per_rank"], result(got, name)["largest_forward_per_rank"]
         assert forwards[0] == forwards[1] > 3 * 2 and max(largest) <= PARTS_BUDGET, (forwards, largest)
         assert result(got, "packed_kl_mu2")["forwards_per_rank"] == [3 * 2, 3 * 2]  # 3 steps x 2 micro-batches
+    if name == "reward_model":  # the reward model was loaded and prepared on this backend
+        assert len(result(got, name)["reward_models_partitioned"]) == 1
     if name == "keyed_static":  # StaticDecode's own loop ran, not its fallback to generate
         assert result(got, name)["generator"] == "StaticDecode"
         assert result(got, name)["generator_last_call"]["path"] == "static"

@@ -169,18 +169,9 @@ def test_loading_short_names_and_dotted_paths(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def reward_model_dir(tmp_path_factory):
     """A tiny random Qwen2ForSequenceClassification (num_labels=1) built from the tiny config, saved locally."""
-    from transformers import AutoConfig, Qwen2ForSequenceClassification
+    from tests.reward_model import save_tiny_reward_model
 
-    from fusedalign.models import load_tokenizer, resolve_model_path
-
-    path = resolve_model_path("builtin:tiny-qwen2")
-    config = AutoConfig.from_pretrained(path, num_labels=1)
-    torch.manual_seed(0)
-    model = Qwen2ForSequenceClassification(config)
-    out = tmp_path_factory.mktemp("rm") / "tiny-rm"
-    model.save_pretrained(out)
-    load_tokenizer(path).save_pretrained(out)
-    return out
+    return save_tiny_reward_model(tmp_path_factory.mktemp("rm") / "tiny-rm")
 
 
 def _score_alone(rm: SequenceClassifierReward, text: str) -> float:
