@@ -83,7 +83,9 @@ def end_at_lengths(model: Any, fit: LengthFit, eos: int, max_new_tokens: int) ->
 
     device = next(model.parameters()).device
     logit_h = torch.tensor([math.log(h / (1 - h)) for h in hazards(fit, max_new_tokens)], device=device)
-    k = torch.zeros((), dtype=torch.long, device=device)
+    # [1], not a 0-dim tensor: indexing with a 0-dim integer tensor reads it back to the host (a sync,
+    # which a CUDA graph's capture refuses); a 1-element index tensor is a gather on the device.
+    k = torch.zeros(1, dtype=torch.long, device=device)
     eos_index = torch.tensor([eos], device=device)  # made here: a step captured as a CUDA graph copies nothing from the host
 
     def hook(module, args, kwargs, output):
@@ -96,7 +98,7 @@ def end_at_lengths(model: Any, fit: LengthFit, eos: int, max_new_tokens: int) ->
             k.add_(1)
         z = output.logits[:, -1]
         others = z.float().index_fill(-1, eos_index, float("-inf")).logsumexp(-1)
-        z[:, eos] = (others + logit_h[k.clamp(max=max_new_tokens - 1)]).to(z.dtype)
+        z[:, eos] = (others + logit_h[k.clamp(max=max_new_tokens - 1)]).to(z.dtype)  # [B] + [1]
         return None
 
     return model.register_forward_hook(hook, with_kwargs=True)

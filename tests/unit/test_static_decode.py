@@ -347,3 +347,34 @@ def test_graph_windows_cover_every_slot_a_step_attends_to(monkeypatch, window):
     # 9-token prompts, 13 decoding steps writing slots 9 to 21 of a 23-slot cache
     want = {4: [12, 16, 20, 23], 5: [10, 15, 20, 23], 16: [16, 23], 0: [23]}[window]
     assert captured == want and decode.last_call["graphs"] == len(want)
+
+
+@pytest.mark.parametrize("flags", [
+    dict(do_sample=False, repetition_penalty=1.3),
+    dict(temperature=0.8, top_k=40, top_p=0.9, repetition_penalty=1.2),
+    dict(temperature=1.2, min_p=0.05),
+    dict(temperature=0.9, fused_sampling=True, repetition_penalty=1.3),
+], ids=["greedy_penalty", "top_k_top_p", "min_p", "fused_sampling"])
+def test_a_captured_step_holds_to_what_capture_accepts_and_draws_as_the_eager_loop(monkeypatch, flags):
+    """Every processor TRL's flags reach, and the fused sampling head, inside the stand-in graphs
+    held to the capture's rules (tests/stand_in_graphs.py: no value read back to the host, no tensor
+    made from host data): the same tokens as the eager loop from the same seed, through several
+    windows and a compaction."""
+    from tests.stand_in_graphs import stand_in_graphs
+
+    model = load_model("builtin:tiny-qwen2", attn_implementation="sdpa").eval()
+    tok = load_tokenizer("builtin:tiny-qwen2")
+    prompts, keys = _prompts(), _keys(len(PROMPT_LENGTHS))
+    kw = dict(_kw(tok, **flags), window_slots=4, compact_below=0.9, check_every=2)
+    torch.manual_seed(1)
+    first = StaticDecode(**kw, cuda_graphs=False).generate(model, prompts, keys).completion_ids
+    kw["eos_token_id"] = first[2][1]  # a token one row draws early: rows end unevenly, the batch compacts
+    torch.manual_seed(1)
+    want = StaticDecode(**kw, cuda_graphs=False).generate(model, prompts, keys)
+    captured = stand_in_graphs(monkeypatch)
+    torch.manual_seed(1)
+    decode = StaticDecode(**kw)
+    got = decode.generate(model, prompts, keys)
+    assert decode.last_call["path"] == "static" and decode.last_call["graphs"] >= 2 and len(set(captured)) >= 2
+    assert len(decode.last_call["batch_sizes"]) >= 2, decode.last_call
+    assert got.completion_ids == want.completion_ids and got.truncated == want.truncated
