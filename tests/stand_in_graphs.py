@@ -3,11 +3,12 @@ captured with, as a graph would replay it: the loop's graph bookkeeping, tested 
 
 Every run of the step (the warm-up, and each replay standing in for the capture's recording) is
 held to what a CUDA graph's capture accepts, as far as the CPU can see it: no value read back to
-the host (`.item()`, `bool(tensor)`, `nonzero`) and no tensor made from host data
-(`torch.tensor([...])`, which on CUDA is a host-to-device copy). Either fails the capture on a GPU
-with an error the CPU run would never show. Not seen here: `.tolist()` (it reads the data without
-dispatching an op), and a 0-dim tensor from host data, which the CPU cannot tell apart from a
-Python scalar assigned into a tensor (`x[..., -1] = False`, a fill on CUDA, which capture accepts).
+the host (`.item()`, `bool(tensor)`, `nonzero`, `.tolist()`, `.cpu()`, `.numpy()`; the last three
+refused by name, since on a CPU tensor they dispatch nothing) and no tensor made from host data
+(`torch.tensor([...])`, which on CUDA is a host-to-device copy). Each fails the capture on a GPU
+with an error the CPU run would never show. Not seen here: a 0-dim tensor from host data, which
+the CPU cannot tell apart from a Python scalar assigned into a tensor (`x[..., -1] = False`, a
+fill on CUDA, which capture accepts).
 """
 
 from __future__ import annotations
@@ -25,8 +26,23 @@ REFUSED_IN_CAPTURE = {
 }
 
 
+# Tensor methods that copy to the host without an op the dispatcher sees on a CPU tensor.
+HOST_READS = ("tolist", "cpu", "numpy")
+
+
 class CaptureRules(TorchDispatchMode):
-    """Raises on an op that CUDA graph capture refuses (`REFUSED_IN_CAPTURE`)."""
+    """Raises on an op that CUDA graph capture refuses (`REFUSED_IN_CAPTURE`), or a `HOST_READS` call."""
+
+    def __enter__(self):
+        self._methods = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+        for name in HOST_READS:
+            setattr(torch.Tensor, name, _refused(name))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, method in self._methods.items():
+            setattr(torch.Tensor, name, method)
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is aten.lift_fresh.default and args[0].dim() == 0:
@@ -35,6 +51,13 @@ class CaptureRules(TorchDispatchMode):
             raise AssertionError(f"{func} in a captured decoding step {REFUSED_IN_CAPTURE[func]}: a CUDA graph's "
                                  "capture fails on it")
         return func(*args, **(kwargs or {}))
+
+
+def _refused(name: str):
+    def method(*args, **kwargs):
+        raise AssertionError(f"Tensor.{name}() in a captured decoding step copies to the host: a CUDA graph's "
+                             "capture fails on it")
+    return method
 
 
 def stand_in_graphs(monkeypatch, *, rules: bool = True) -> list[int]:
