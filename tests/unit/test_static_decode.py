@@ -378,3 +378,40 @@ def test_a_captured_step_holds_to_what_capture_accepts_and_draws_as_the_eager_lo
     assert decode.last_call["path"] == "static" and decode.last_call["graphs"] >= 2 and len(set(captured)) >= 2
     assert len(decode.last_call["batch_sizes"]) >= 2, decode.last_call
     assert got.completion_ids == want.completion_ids and got.truncated == want.truncated
+
+
+def test_grpo_with_a_lora_policy_decodes_in_stand_in_graphs_as_in_the_eager_loop(monkeypatch, tmp_path):
+    """GRPO's own generation (static backend, unkeyed sampling, LoRA on q, v and the head: PEFT's
+    layers inside the decoding step) in stand-in graphs held to what a CUDA graph's capture accepts
+    (tests/stand_in_graphs.py) trains exactly as with the eager loop from the same seed."""
+    from peft import LoraConfig
+
+    from fusedalign.data import load_dataset_any
+    from fusedalign.rewards import load_reward_function
+    from fusedalign.trainers.grpo import GRPOTrainer
+    from tests.stand_in_graphs import stand_in_graphs
+
+    prompts = load_dataset_any("builtin:zen", "standard_prompt_only").select(range(8))
+    runs = {}
+    for graphs in (False, True):
+        captured = stand_in_graphs(monkeypatch) if graphs else None
+        args = GRPOConfig(output_dir=str(tmp_path / str(graphs)), max_steps=2, learning_rate=0.05, optim="sgd",
+                          per_device_train_batch_size=8, num_generations=4, max_completion_length=10,
+                          logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, seed=0,
+                          generation_backend="static", temperature=0.9, top_p=0.95)
+        lora = LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8, lora_dropout=0.0,
+                          target_modules=["q_proj", "v_proj", "lm_head"], init_lora_weights=False)
+        torch.manual_seed(0)
+        trainer = GRPOTrainer(load_model("builtin:tiny-qwen2"), reward_funcs=load_reward_function("zen_words"),
+                              args=args, train_dataset=prompts, peft_config=lora)
+        trainer.train()
+        assert trainer.generator.last_call["path"] == "static"
+        assert trainer.generator.last_call["graph"] is graphs and (not graphs or captured)
+        logs = [{k: v for k, v in e.items() if "time" not in k and "runtime" not in k}
+                for e in trainer.state.log_history if "loss" in e]
+        runs[graphs] = logs, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+        monkeypatch.undo()
+    assert runs[True][0] == runs[False][0]
+    assert any(e["completions/mean_length"] > 1 for e in runs[True][0])
+    for name, value in runs[False][1].items():
+        assert torch.equal(runs[True][1][name], value), name
