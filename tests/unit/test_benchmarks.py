@@ -314,9 +314,29 @@ def test_one_decoding_steps_floor_by_hand():
     assert limit_tokens_per_s(shape, peaks, 4, [3, 3]) == pytest.approx(want, rel=1e-12)
 
 
-def test_decode_profile_cpu_smoke_lists_each_part_and_the_attention_it_decoded_with(tmp_path):
+def _held_to_capture_rules(monkeypatch):
+    """What decode_profile's Clock captures as a CUDA graph on a GPU runs, on the CPU, under the
+    rules of a capture (tests/stand_in_graphs.py): no host read, no tensor made from host data."""
+    from benchmarks import decode_profile
+    from tests.stand_in_graphs import CaptureRules
+
+    eager_ms = decode_profile.Clock.eager_ms
+    captured = []
+
+    def graph_ms(self, fn):
+        with CaptureRules():
+            fn()  # the recorded call
+        captured.append(fn)
+        return eager_ms(self, fn)
+
+    monkeypatch.setattr(decode_profile.Clock, "graph_ms", graph_ms)
+    return captured
+
+
+def test_decode_profile_cpu_smoke_lists_each_part_and_the_attention_it_decoded_with(tmp_path, monkeypatch):
     from benchmarks import decode_profile
 
+    captured = _held_to_capture_rules(monkeypatch)
     out = tmp_path / "profile.md"
     assert decode_profile.main(["--device", "cpu", "--tiny", "--repeats", "1", "--markdown_out", str(out)]) == 0
     text = out.read_text()
@@ -327,13 +347,15 @@ def test_decode_profile_cpu_smoke_lists_each_part_and_the_attention_it_decoded_w
     decode_profile.main(["--device", "cpu", "--tiny", "--repeats", "1", "--transformers_attention",
                          "--markdown_out", str(out2)])
     assert "; sdpa attention," in out2.read_text()
+    assert len(captured) >= 2 * (len(decode_profile.PARTS) + 1)  # each part and the whole step, both runs
 
 
-def test_decode_attention_cpu_smoke_times_every_variant_and_checks_it_against_float32(tmp_path):
+def test_decode_attention_cpu_smoke_times_every_variant_and_checks_it_against_float32(tmp_path, monkeypatch):
     """Each variant's row holds its time and its error against float32 arithmetic, which is
     small for every variant the CPU runs; flex attention's row says why it did not run."""
     from benchmarks import decode_attention
 
+    captured = _held_to_capture_rules(monkeypatch)
     out = tmp_path / "attention.md"
     assert decode_attention.main(["--device", "cpu", "--tiny", "--repeats", "1", "--batches", "3",
                                   "--slots", "12", "20", "--markdown_out", str(out)]) == 0
@@ -344,6 +366,7 @@ def test_decode_attention_cpu_smoke_times_every_variant_and_checks_it_against_fl
             assert (ms, error) == ("—", "RuntimeError")
             continue
         assert float(ms) > 0 and float(error) < 1e-5, (variant, slots, ms, error)
+    assert captured  # the variants were timed as captured graphs
 
 
 def test_generation_benchmark_hands_its_compaction_share_to_static_decode(tmp_path):
