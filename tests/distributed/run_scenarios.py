@@ -159,11 +159,11 @@ def _grpo_trainer(spec: dict, common: dict, peft_config):
     prompts = load_dataset_any("builtin:zen", "standard_prompt_only", split="train").select(range(32))
     replay = uneven_replay(32, generations, load_tokenizer("builtin:tiny-qwen2").eos_token_id,
                            truncate_every=spec.get("truncate_every", 4), truncate_rows=spec.get("truncate_rows", ()))
-    # keyed: real generation (generation_weights on the backend) with draws that do not depend on the split.
     # A reward model beside the token sum: a path, loaded by the trainer as a user's would be.
     from tests.reward_model import REWARD_MODEL_ENV
 
     rewards = [token_sum_reward, os.environ[REWARD_MODEL_ENV]] if spec.get("reward_model") else token_sum_reward
+    # keyed: real generation (generation_weights on the backend) with draws that do not depend on the split.
     return trainer_cls(load_model(spec.get("model", "builtin:tiny-qwen2")), reward_funcs=rewards, args=args,
                        train_dataset=prompts, peft_config=peft_config,
                        generator=None if spec.get("keyed") else _RecordedKeys(replay, common["output_dir"]))
