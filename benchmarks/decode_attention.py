@@ -17,6 +17,10 @@ number of cache slots read, one call of:
     flex_compiled          flex attention, the mask as a score modification, compiled (CUDA
                            only: compiled flex attention with one query position gives wrong
                            outputs on the CPU with torch 2.13)
+    triton_grouped         fusedalign's Triton kernel (generation/decode_kernel.py): a group's
+                           query heads as one block against its key/value head, the slots
+                           split over programs when the batch is small (CUDA only; its CPU
+                           check runs under Triton's interpreter in the tests)
 
 each captured as a CUDA graph and replayed --repeats times between two CUDA events (on the CPU:
 eager wall clock). Columns: milliseconds a call, what the call must read (keys and values, MB)
@@ -42,7 +46,8 @@ from benchmarks.decode_profile import Clock  # noqa: E402
 from benchmarks.harness.env import log, versions, versions_line  # noqa: E402
 from benchmarks.harness.tables import fmt, markdown, write_markdown  # noqa: E402
 
-VARIANTS = ("grouped_sdpa", "grouped_sdpa_additive", "gqa_sdpa", "matmul", "matmul_compiled", "flex_compiled")
+VARIANTS = ("grouped_sdpa", "grouped_sdpa_additive", "gqa_sdpa", "matmul", "matmul_compiled", "flex_compiled",
+            "triton_grouped")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -126,6 +131,11 @@ def variants(names, device) -> dict:
 
         return flex_attention(query, key, value, score_mod=masked, enable_gqa=True)
 
+    def triton_grouped(query, key, value, visible, additive):
+        from fusedalign.generation.decode_kernel import decode_attention
+
+        return decode_attention(query, key, value, visible, query.shape[-1] ** -0.5)
+
     table = {
         "grouped_sdpa": lambda q, k, v, visible, additive: grouped(q, k, v, visible[:, None, None, :]),
         "grouped_sdpa_additive": lambda q, k, v, visible, additive: grouped(q, k, v, additive),
@@ -134,6 +144,7 @@ def variants(names, device) -> dict:
         "matmul": matmul,
         "matmul_compiled": torch.compile(matmul, dynamic=True),
         "flex_compiled": torch.compile(flex, dynamic=True) if device.type == "cuda" else None,
+        "triton_grouped": triton_grouped if device.type == "cuda" else None,
     }
     return {name: table[name] for name in names}
 
@@ -164,7 +175,7 @@ def main(argv=None) -> int:
                 try:
                     if fn is None:
                         raise RuntimeError("CUDA only (compiled flex attention with one query position is wrong "
-                                           "on the CPU)")
+                                           "on the CPU; Triton kernels need a GPU)")
                     error = (fn(*call).float() - want).abs().max().item()
                     ms = clock.graph_ms(lambda: fn(*call))  # its warm-up call compiles
                     cells = [f"{ms:.4f}", f"{read_mb / ms / 1e3:.2f}", f"{error:.1e}", f"{ms * args.layers:.3f}"]

@@ -1,0 +1,148 @@
+"""A Triton kernel for one decoding step's grouped-query attention: each key/value head's slots
+read once for all the query heads that share it, split over the slots when the batch is small.
+
+Why a kernel of our own. StaticDecode's grouped sdpa (decode_attention.py) lays a group's query
+heads out as query positions of one head: Qwen2.5-0.5B's 7 query heads per key/value head become
+7 query rows. On one H200 at batch 512 (4099510, `decode_profile.py --kernels`) cuDNN's kernel
+for it took 1.72 ms of a 6.9 ms step: it tiles query rows by 64, so it computes 64 rows for 7,
+while the work is bound by reading the cache (at batch 512 and 256 slots, 67 MB a layer, about
+16 us at 4.3 TB/s). Here a program holds one (row, key/value head): its G query heads as a
+[16, d] block (rows past G masked), the slots in blocks of `BLOCK_N`, an online softmax in
+float32 (base 2), and the values summed with the probabilities cast to the cache's dtype, as
+flash attention does. When rows x key/value heads are too few to fill the GPU, each program
+takes a share of the slots (`splits`) and a few tensor ops combine the shares by their maxima
+and sums.
+
+The mask is the decoding step's boolean one (True: attend; a row's left padding False). Slots
+past the mask's width are not read, as in the grouped sdpa. Masked scores are set to -1e30, a
+finite value, and their probabilities to 0: a share of slots that are all masked then has sum
+0 and a maximum that weighs nothing beside a real one, never a NaN.
+
+`decode_attention(query, key, value, visible, scale)` is a `torch.library` op: a compiled
+decoding step calls it as one opaque op, and a CUDA graph captures its launches. Under
+TRITON_INTERPRET=1 the same kernel runs on CPU tensors (tests).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+BLOCK_N = 64  # slots a program reads per iteration
+FILL_PROGRAMS = 512  # split the slots until rows x key/value heads x splits reaches this many programs
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _grouped_decode(Q, K, V, MASK, ACC, MAX, SUM,
+                    s_qb, s_qg, s_qr, s_kb, s_kg, s_ks, s_vb, s_vg, s_vs, s_mb, s_ms,
+                    kv_heads, group, slots, share, scale_log2,
+                    HAS_MASK: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """One (row, key/value head) x one share of the slots: its partial sum of values [BLOCK_G, D],
+    and the running maximum and sum of the base-2 exponentials [BLOCK_G], written to
+    ACC/MAX/SUM[(row x kv_heads + head), split]."""
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    splits = tl.num_programs(1)
+    b = pid // kv_heads
+    h = pid % kv_heads
+    rows = tl.arange(0, BLOCK_G)
+    dims = tl.arange(0, D)
+    q = tl.load(Q + b * s_qb + h * s_qg + rows[:, None] * s_qr + dims[None, :],
+                mask=rows[:, None] < group, other=0.0)
+    top = tl.full([BLOCK_G], -1.0e30, tl.float32)
+    total = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, D], tl.float32)
+    start = split * share
+    end = tl.minimum(start + share, slots)
+    for n0 in range(start, end, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        inside = cols < end
+        valid = inside
+        if HAS_MASK:
+            valid = valid & (tl.load(MASK + b * s_mb + cols * s_ms, mask=inside, other=0) != 0)
+        k = tl.load(K + b * s_kb + h * s_kg + cols[:, None] * s_ks + dims[None, :], mask=inside[:, None], other=0.0)
+        scores = tl.dot(q, tl.trans(k)) * scale_log2  # [BLOCK_G, BLOCK_N] float32, base 2
+        scores = tl.where(valid[None, :], scores, -1.0e30)
+        new_top = tl.maximum(top, tl.max(scores, 1))
+        alpha = tl.exp2(top - new_top)
+        p = tl.where(valid[None, :], tl.exp2(scores - new_top[:, None]), 0.0)
+        total = total * alpha + tl.sum(p, 1)
+        v = tl.load(V + b * s_vb + h * s_vg + cols[:, None] * s_vs + dims[None, :], mask=inside[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        top = new_top
+    out = (pid * splits + split) * BLOCK_G + rows
+    tl.store(ACC + out[:, None] * D + dims[None, :], acc)
+    tl.store(MAX + out, top)
+    tl.store(SUM + out, total)
+
+
+def _programs_wanted(device: torch.device) -> int:
+    if device.type == "cuda":
+        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return FILL_PROGRAMS
+
+
+def splits_for(rows: int, kv_heads: int, slots: int, programs: int) -> int:
+    """How many shares of the slots each (row, key/value head) is cut into: enough programs to fill
+    `programs`, never a share under one block of slots."""
+    most = max(1, triton.cdiv(slots, BLOCK_N))
+    return max(1, min(most, triton.cdiv(programs, rows * kv_heads)))
+
+
+@torch.library.custom_op("fusedalign::grouped_decode_attention", mutates_args=())
+def decode_attention(query: Tensor, key: Tensor, value: Tensor, visible: Tensor | None, scale: float) -> Tensor:
+    """One query position's attention to a grouped key/value cache.
+
+    Args:
+        query: [B, h, 1, d], h a multiple of the g key/value heads; d a power of two >= 16.
+        key, value: [B, g, S, d] (the cache's first S slots; the last dimension contiguous).
+        visible: [B, S] bool (True: attend), or None (every slot).
+        scale: the scores' factor (1 / sqrt(d) for most models).
+
+    Returns:
+        [B, h, 1, d] in the query's dtype.
+    """
+    B, h, _, d = query.shape
+    g, S = key.shape[1], key.shape[2]
+    group = h // g
+    block_g = max(16, triton.next_power_of_2(group))
+    q = query.reshape(B, g, group, d)
+    splits = splits_for(B, g, S, _programs_wanted(query.device))
+    share = triton.cdiv(triton.cdiv(S, splits), BLOCK_N) * BLOCK_N
+    acc = torch.empty(B * g, splits, block_g, d, dtype=torch.float32, device=query.device)
+    top = torch.empty(B * g, splits, block_g, dtype=torch.float32, device=query.device)
+    total = torch.empty_like(top)
+    mask = visible if visible is not None else key  # a pointer the kernel never reads without HAS_MASK
+    mask_strides = (visible.stride(0), visible.stride(1)) if visible is not None else (0, 0)
+    _grouped_decode[(B * g, splits)](
+        q, key, value, mask, acc, top, total,
+        q.stride(0), q.stride(1), q.stride(2), key.stride(0), key.stride(1), key.stride(2),
+        value.stride(0), value.stride(1), value.stride(2), *mask_strides,
+        g, group, S, share, scale * LOG2E,
+        HAS_MASK=visible is not None, BLOCK_G=block_g, BLOCK_N=BLOCK_N, D=d)
+    if splits == 1:
+        out = acc[:, 0] / total[:, 0, :, None]
+    else:
+        weight = torch.exp2(top - top.amax(1, keepdim=True))  # [B g, splits, block_g]
+        out = (acc * weight[..., None]).sum(1) / (total * weight).sum(1)[..., None]
+    return out[:, :group].reshape(B, h, 1, d).to(query.dtype)
+
+
+@decode_attention.register_fake
+def _(query: Tensor, key: Tensor, value: Tensor, visible: Tensor | None, scale: float) -> Tensor:
+    return torch.empty_like(query)
+
+
+def supports(query: Tensor, key: Tensor, value: Tensor) -> str | None:
+    """Why the kernel cannot take these tensors, or None."""
+    d = query.shape[-1]
+    if d < 16 or d & (d - 1) or value.shape[-1] != d:
+        return f"head dimension {d} (the kernel takes a power of two >= 16, the same for keys and values)"
+    if query.shape[1] % key.shape[1]:
+        return f"{query.shape[1]} query heads over {key.shape[1]} key/value heads"
+    if key.stride(-1) != 1 or value.stride(-1) != 1:
+        return "a key or value cache whose last dimension is not contiguous"
+    return None
