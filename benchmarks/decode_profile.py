@@ -67,6 +67,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="StaticDecode's window_slots: the cache slots a step reads (0: all)")
     p.add_argument("--transformers_attention", action="store_true",
                    help="decode through the model's own attention, not StaticDecode's grouped sdpa")
+    p.add_argument("--decode_kernel", choices=["sdpa", "triton"], default="sdpa",
+                   help="the grouped attention's kernel (StaticDecode's decode_kernel; triton: CUDA only)")
     p.add_argument("--compile", action="store_true",
                    help="also time the whole step compiled by torch.compile (inductor) before capture, as "
                         "StaticDecode(compile_step=True) runs it")
@@ -77,6 +79,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         import torch
 
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.decode_kernel == "triton" and args.device != "cuda":
+        p.error("--decode_kernel triton runs on CUDA only (on the CPU the step would use the grouped sdpa)")
     for key, big, small in (("batches", [64, 256, 512], [4]), ("prompt_length", 128, 8), ("new_tokens", 256, 8)):
         if getattr(args, key) is None:
             setattr(args, key, small if args.tiny else big)
@@ -245,9 +249,11 @@ def main(argv=None) -> int:
         peaks = peaks_of(gpu)
         clock = Clock(device, args.repeats)
         rows, kernel_rows = [], []
-        attention = model.config._attn_implementation if args.transformers_attention else decoding_implementation(model)
+        kernel = args.decode_kernel
+        attention = (model.config._attn_implementation if args.transformers_attention
+                     else decoding_implementation(model, kernel))
         for batch in args.batches:
-            with contextlib.nullcontext() if args.transformers_attention else decoding_attention(model):
+            with contextlib.nullcontext() if args.transformers_attention else decoding_attention(model, kernel):
                 times, kernels = profile_batch(args, model, batch, clock)
             kernel_rows += [[str(batch), name, f"{ms:.3f}", str(n)] for name, ms, n in kernels]
             step = times["step, one graph"]

@@ -19,6 +19,8 @@ batch x 256 tokens), at each batch size:
     ours_fused  ours drawing each token inside the head, slice by slice of the vocabulary
                 (StaticDecode(fused_sampling=True), generation/sampling_head.py)
     ours_compiled  ours with the step compiled by inductor before capture
+    ours_triton    ours with each step's grouped attention in fusedalign's Triton kernel
+                (StaticDecode(decode_kernel="triton"), generation/decode_kernel.py)
                 (StaticDecode(compile_step=True); GRPO's --compile_generation)
 
 Each method runs in its own subprocess (compilation caches and allocator state never
@@ -55,7 +57,8 @@ from benchmarks.harness import runner  # noqa: E402
 from benchmarks.harness.env import gpu_info, log, versions, versions_line  # noqa: E402
 from benchmarks.harness.tables import fmt, markdown, ratio, write_markdown  # noqa: E402
 
-METHODS = ("dynamic", "dynamic_eos", "static", "continuous", "ours", "ours_eager", "ours_fused", "ours_compiled")
+METHODS = ("dynamic", "dynamic_eos", "static", "continuous", "ours", "ours_eager", "ours_fused", "ours_compiled",
+           "ours_triton")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -102,7 +105,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def unavailable(method: str) -> str | None:
+def unavailable(method: str, device: str = "cuda") -> str | None:
+    if method == "ours_triton" and device != "cuda":
+        return "the Triton kernel runs on CUDA only (on the CPU the loop would use the grouped sdpa)"
     if method == "continuous":
         from transformers import GenerationMixin
 
@@ -122,6 +127,7 @@ def generation_config(args, method: str, pad: int, eos: int):
         return StaticDecode(max_new_tokens=args.new_tokens, eos_token_id=eos, pad_token_id=pad, temperature=1.0,
                             top_p=1.0, top_k=0, cuda_graphs=method != "ours_eager",
                             fused_sampling=method == "ours_fused", compile_step=method == "ours_compiled",
+                            decode_kernel="triton" if method == "ours_triton" else "sdpa",
                             compact_below=args.compact_below)
 
     options = dict(max_new_tokens=args.new_tokens, do_sample=True, temperature=1.0, top_p=1.0, top_k=0, use_cache=True,
@@ -263,7 +269,7 @@ def main(argv=None) -> int:
     results = {}
     try:
         for method in args.methods:
-            why = unavailable(method)
+            why = unavailable(method, args.device)
             if why:
                 log(f"{method}: skipped: {why}")
                 results[method] = {"status": "skipped", "reason": f"skipped: {why}"}

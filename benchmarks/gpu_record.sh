@@ -14,7 +14,8 @@
 # minutes: the longest completion ours (one completion a row) and TRL train at 8 x 8),
 # PARTS="compiled_decode attention compiled_generation compiled_grpo" (at most 9 min 20 s:
 # StaticDecode's step compiled by inductor against the uncompiled one, by part, in generation
-# and in GRPO; and one step's attention computed six ways, decode_attention.py).
+# and in GRPO; and one step's attention computed seven ways, decode_attention.py, the Triton
+# kernel among them).
 set -u
 OUT=${OUT:-$PWD/bench-out}
 MODEL=${MODEL:-/tmp/bench-model}

@@ -32,6 +32,7 @@ recompile for at every new width.
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any, Iterator
 
 import torch
@@ -39,6 +40,8 @@ from torch import Tensor, nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 GROUPED = "fusedalign_grouped_sdpa"
+GROUPED_TRITON = "fusedalign_grouped_triton"
+KERNELS = {"sdpa": GROUPED, "triton": GROUPED_TRITON}  # StaticDecode's decode_kernel -> implementation
 SWITCHED = ("sdpa", "flex_attention")
 
 
@@ -67,31 +70,59 @@ def grouped_sdpa_forward(module: nn.Module, query: Tensor, key: Tensor, value: T
     return out.reshape(B, h, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
+def grouped_triton_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                           attention_mask: Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                           **kwargs: Any) -> tuple[Tensor, None]:
+    """`grouped_sdpa_forward`'s signature and arithmetic, a single query position computed by the
+    Triton kernel (`generation/decode_kernel.py`) where it applies: a boolean [B, 1, 1, n] mask or
+    none, no dropout, soft-cap or position bias, a CUDA tensor (or Triton's interpreter, in tests)
+    of a head size the kernel takes. Everything else is `grouped_sdpa_forward`'s."""
+    boolean_mask = attention_mask is None or (attention_mask.dtype == torch.bool and attention_mask.dim() == 4
+                                              and attention_mask.shape[1] == 1 and attention_mask.shape[2] == 1)
+    if (query.shape[2] == 1 and boolean_mask and dropout == 0.0 and kwargs.get("position_bias") is None
+            and kwargs.get("softcap") is None and not kwargs.get("output_attentions", False)
+            and (query.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")):
+        from fusedalign.generation import decode_kernel
+
+        visible = None
+        if attention_mask is not None:
+            slots = attention_mask.shape[-1]
+            key, value, visible = key[:, :, :slots], value[:, :, :slots], attention_mask[:, 0, 0, :]
+        if decode_kernel.supports(query, key, value) is None:
+            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+            out = decode_kernel.decode_attention(query, key, value, visible, scale)  # [B, h, 1, d]
+            return out.transpose(1, 2).contiguous(), None
+    return grouped_sdpa_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
 def register() -> None:
-    """Make `GROUPED` a name transformers' models accept as `config._attn_implementation` (idempotent)."""
+    """Make `GROUPED` and `GROUPED_TRITON` names transformers' models accept as
+    `config._attn_implementation` (idempotent)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-    if GROUPED not in AttentionInterface._global_mapping:
-        AttentionInterface.register(GROUPED, grouped_sdpa_forward)
-    if GROUPED not in ALL_MASK_ATTENTION_FUNCTIONS:
-        AttentionMaskInterface.register(GROUPED, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    for name, forward in ((GROUPED, grouped_sdpa_forward), (GROUPED_TRITON, grouped_triton_forward)):
+        if name not in AttentionInterface._global_mapping:
+            AttentionInterface.register(name, forward)
+        if name not in ALL_MASK_ATTENTION_FUNCTIONS:
+            AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
 
 
-def decoding_implementation(lm: nn.Module) -> str | None:
-    """The attention implementation `lm` decodes with inside `decoding_attention`."""
+def decoding_implementation(lm: nn.Module, kernel: str = "sdpa") -> str | None:
+    """The attention implementation `lm` decodes with inside `decoding_attention` (`kernel`: a key
+    of `KERNELS`, the grouped attention's)."""
     current = getattr(lm.config, "_attn_implementation", None)
     text = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
     if current in SWITCHED and getattr(text, "attn_logit_softcapping", None) is None:
-        return GROUPED
+        return KERNELS[kernel]
     return current
 
 
 @contextlib.contextmanager
-def decoding_attention(lm: nn.Module) -> Iterator[None]:
-    """`lm` (unwrapped) attends through `decoding_implementation(lm)` inside the block; after it,
-    its config and every sub-config hold exactly the implementation they held before."""
-    wanted = decoding_implementation(lm)
+def decoding_attention(lm: nn.Module, kernel: str = "sdpa") -> Iterator[None]:
+    """`lm` (unwrapped) attends through `decoding_implementation(lm, kernel)` inside the block;
+    after it, its config and every sub-config hold exactly the implementation they held before."""
+    wanted = decoding_implementation(lm, kernel)
     if wanted == getattr(lm.config, "_attn_implementation", None):
         yield
         return

@@ -9,7 +9,7 @@ while the work is bound by reading the cache (at batch 512 and 256 slots, 67 MB 
 16 us at 4.3 TB/s). Here a program holds one (row, key/value head): its G query heads as a
 [16, d] block (rows past G masked), the slots in blocks of `BLOCK_N`, an online softmax in
 float32 (base 2), and the values summed with the probabilities cast to the cache's dtype, as
-flash attention does. When rows x key/value heads are too few to fill the GPU, each program
+flash attention does. A float32 cache is multiplied in full float32 precision, not TF32. When rows x key/value heads are too few to fill the GPU, each program
 takes a share of the slots (`splits`) and a few tensor ops combine the shares by their maxima
 and sums.
 
@@ -39,7 +39,8 @@ LOG2E = 1.4426950408889634
 def _grouped_decode(Q, K, V, MASK, ACC, MAX, SUM,
                     s_qb, s_qg, s_qr, s_kb, s_kg, s_ks, s_vb, s_vg, s_vs, s_mb, s_ms,
                     kv_heads, group, slots, share, scale_log2,
-                    HAS_MASK: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+                    HAS_MASK: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                    PRECISION: tl.constexpr):
     """One (row, key/value head) x one share of the slots: its partial sum of values [BLOCK_G, D],
     and the running maximum and sum of the base-2 exponentials [BLOCK_G], written to
     ACC/MAX/SUM[(row x kv_heads + head), split]."""
@@ -64,14 +65,14 @@ def _grouped_decode(Q, K, V, MASK, ACC, MAX, SUM,
         if HAS_MASK:
             valid = valid & (tl.load(MASK + b * s_mb + cols * s_ms, mask=inside, other=0) != 0)
         k = tl.load(K + b * s_kb + h * s_kg + cols[:, None] * s_ks + dims[None, :], mask=inside[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k)) * scale_log2  # [BLOCK_G, BLOCK_N] float32, base 2
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_G, BLOCK_N] float32, base 2
         scores = tl.where(valid[None, :], scores, -1.0e30)
         new_top = tl.maximum(top, tl.max(scores, 1))
         alpha = tl.exp2(top - new_top)
         p = tl.where(valid[None, :], tl.exp2(scores - new_top[:, None]), 0.0)
         total = total * alpha + tl.sum(p, 1)
         v = tl.load(V + b * s_vb + h * s_vg + cols[:, None] * s_vs + dims[None, :], mask=inside[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         top = new_top
     out = (pid * splits + split) * BLOCK_G + rows
     tl.store(ACC + out[:, None] * D + dims[None, :], acc)
@@ -122,7 +123,8 @@ def decode_attention(query: Tensor, key: Tensor, value: Tensor, visible: Tensor 
         q.stride(0), q.stride(1), q.stride(2), key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2), *mask_strides,
         g, group, S, share, scale * LOG2E,
-        HAS_MASK=visible is not None, BLOCK_G=block_g, BLOCK_N=BLOCK_N, D=d)
+        HAS_MASK=visible is not None, BLOCK_G=block_g, BLOCK_N=BLOCK_N, D=d,
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32")  # float32 models: no TF32 rounding
     if splits == 1:
         out = acc[:, 0] / total[:, 0, :, None]
     else:

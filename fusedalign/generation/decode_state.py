@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .decode_attention import GROUPED
+from .decode_attention import GROUPED, GROUPED_TRITON
 from .keyed import filter_logits
 
 
@@ -86,7 +86,8 @@ class DecodeState:
             seen.scatter_(1, input_ids.masked_fill(prompt_mask == 0, vocab), True)
             self.seen = seen[:, :vocab].contiguous()
         # The 4D mask the decoding steps hand to the model: [B, 1, 1, L], over every cache slot.
-        self.narrows = lm.config._attn_implementation == GROUPED  # the grouped sdpa reads what its mask covers
+        # The grouped attentions read what their mask covers.
+        self.narrows = lm.config._attn_implementation in (GROUPED, GROUPED_TRITON)
         visible = torch.zeros((B, 1, 1, L), dtype=torch.bool, device=device)
         visible[:, 0, 0, :P] = prompt_mask.bool()
         self.additive = lm.config._attn_implementation == "eager"

@@ -40,6 +40,7 @@ it as it is). For anything else `generate` is called instead, with the same flag
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from typing import Any, Sequence
 
@@ -64,10 +65,10 @@ from .decode_state import (
     write_back,
 )
 from . import sampling_head as sampling
-from .decode_attention import GROUPED, decoding_attention, decoding_implementation
+from .decode_attention import GROUPED, GROUPED_TRITON, KERNELS, decoding_attention, decoding_implementation
 from .keyed import KeyedSampler
 
-MASK_IMPLEMENTATIONS = (GROUPED, "sdpa", "eager")
+MASK_IMPLEMENTATIONS = (GROUPED, GROUPED_TRITON, "sdpa", "eager")
 
 
 def graphs_possible(device: torch.device) -> bool:
@@ -101,6 +102,9 @@ class StaticDecode:
             element-wise work and the processors and draw fused into fewer kernels) before it is
             captured as a graph. The first call compiles (once per process: dynamic shapes). Not
             with a KeyedSampler, whose draw reads host-side state every token.
+        decode_kernel: what computes a step's grouped attention: "sdpa" (the grouped sdpa,
+            `decode_attention.py`) or "triton" (`decode_kernel.py`, on CUDA; opt-in until
+            measured against the grouped sdpa on a GPU).
     """
 
     def __init__(self, *, max_new_tokens: int, eos_token_id: int | Sequence[int], pad_token_id: int,
@@ -108,9 +112,14 @@ class StaticDecode:
                  top_p: float = 1.0, top_k: int = 0, min_p: float | None = None, repetition_penalty: float = 1.0,
                  sampler: KeyedSampler | None = None, cuda_graphs: bool = True, check_every: int = 16,
                  compact_below: float = 0.5, fused_sampling: bool = False, window_slots: int = 256,
-                 compile_step: bool = False):
+                 compile_step: bool = False, decode_kernel: str = "sdpa"):
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
+        if decode_kernel not in KERNELS:
+            raise ValueError(f"decode_kernel must be one of {sorted(KERNELS)}, got {decode_kernel!r}")
+        if decode_kernel == "triton" and importlib.util.find_spec("triton") is None:
+            raise ValueError("decode_kernel='triton' needs Triton, which is not installed; use decode_kernel='sdpa'")
+        self.decode_kernel = decode_kernel
         self.max_new_tokens = max_new_tokens
         self.eos_token_ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
         self.pad_token_id = pad_token_id
@@ -133,7 +142,7 @@ class StaticDecode:
                                    top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
                                    sampler=sampler)
         # How the last call ran: "path", "graph", "graphs" (captured), "steps" (tokens drawn),
-        # "batch_sizes" (the rows decoded, then after each compaction), "compiled".
+        # "batch_sizes" (the rows decoded, then after each compaction), "compiled", "attention".
         self.last_call: dict[str, Any] = {}
 
     @classmethod
@@ -145,11 +154,10 @@ class StaticDecode:
                    repetition_penalty=args.repetition_penalty, sampler=sampler,
                    compile_step=getattr(args, "compile_generation", False))
 
-    @staticmethod
-    def unsupported(model: nn.Module) -> str | None:
+    def unsupported(self, model: nn.Module) -> str | None:
         """Why this loop cannot decode `model` (None: it can)."""
         lm = unwrap_model(model)
-        implementation = decoding_implementation(lm)
+        implementation = decoding_implementation(lm, self.decode_kernel)
         if implementation not in MASK_IMPLEMENTATIONS:
             return f"attention implementation {implementation!r} (the loop needs one of {MASK_IMPLEMENTATIONS})"
         if any(w is not None for w in layer_windows(lm).values()):
@@ -168,7 +176,7 @@ class StaticDecode:
             self.last_call = {"path": "generate", "why": reason}
             return self.fallback.generate(model, prompt_ids, row_keys, step=step)
         input_ids, attention_mask = left_pad(prompt_ids, self.pad_token_id)
-        with torch.no_grad(), decoding_attention(unwrap_model(model)):
+        with torch.no_grad(), decoding_attention(unwrap_model(model), self.decode_kernel):
             tokens, logprobs = self._decode(model, input_ids, attention_mask, row_keys, step)
         completions, truncated = cut_after_eos(tokens, self.eos_token_ids)
         if logprobs is not None:
@@ -262,7 +270,7 @@ class StaticDecode:
         write_back(state, rows, tokens, logprobs)
         self.last_call = {"path": "static", "graph": graphs > 0, "graphs": graphs, "steps": 1 + done,
                           "batch_sizes": sizes, "fused_sampling": post is not None, "compiled": compiled,
-                          "why_not_fused": why_not_fused}
+                          "why_not_fused": why_not_fused, "attention": lm.config._attn_implementation}
         del graph, cache
         return tokens, logprobs
 

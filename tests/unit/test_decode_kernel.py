@@ -115,3 +115,75 @@ def test_cuda_kernel_in_a_graph_errs_no_more_than_the_grouped_sdpa(rows, slots):
     ours_error = (out.float() - truth).abs().max().item()
     sdpa_error = (grouped.reshape(rows, 14, 1, 64).float() - truth).abs().max().item()
     assert ours_error <= sdpa_error + 2e-3, (ours_error, sdpa_error)
+
+
+def test_static_decode_refuses_an_unknown_kernel():
+    from fusedalign.generation import StaticDecode
+
+    with pytest.raises(ValueError, match="decode_kernel must be one of"):
+        StaticDecode(max_new_tokens=4, eos_token_id=0, pad_token_id=0, decode_kernel="cudnn")
+
+
+@pytest.mark.skipif(CUDA, reason="CUDA present: StaticDecode with the kernel is tested compiled, below")
+def test_static_decode_with_the_kernel_decodes_as_with_the_grouped_sdpa():
+    run_under_interpreter("tests.unit.test_decode_kernel", "static_decode_checks", "static decode checks passed")
+
+
+def static_decode_checks():
+    """Run in the subprocess above: StaticDecode(decode_kernel="triton") on tiny-qwen2 and tiny-llama
+    (sdpa; 4 query heads over 2, d 16), greedy with a repetition penalty, windows of 4 slots and a
+    compaction: the grouped sdpa's tokens, every decoding step's attention through the kernel."""
+    patch_interpreter()
+    from fusedalign.generation import StaticDecode, decode_kernel
+    from fusedalign.generation.decode_attention import GROUPED_TRITON
+    from fusedalign.models import load_model, load_tokenizer
+    from tests.unit.test_static_decode import PROMPT_LENGTHS, _keys, _prompts
+
+    calls = []
+    kernel = decode_kernel.decode_attention
+    decode_kernel.decode_attention = lambda *args: calls.append(args[1].shape[2]) or kernel(*args)
+    tok = load_tokenizer("builtin:tiny-qwen2")
+    prompts, keys = _prompts(), _keys(len(PROMPT_LENGTHS))
+    for name in ("builtin:tiny-qwen2", "builtin:tiny-llama"):
+        model = load_model(name, attn_implementation="sdpa").eval()
+        kw = dict(max_new_tokens=10, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, do_sample=False,
+                  repetition_penalty=1.3, window_slots=4, compact_below=0.9, check_every=2)
+        first = StaticDecode(**kw).generate(model, prompts, keys).completion_ids
+        kw["eos_token_id"] = first[2][1]  # one row ends early: the batch compacts
+        want = StaticDecode(**kw).generate(model, prompts, keys)
+        calls.clear()
+        decode = StaticDecode(**kw, decode_kernel="triton")
+        got = decode.generate(model, prompts, keys)
+        assert decode.last_call["attention"] == GROUPED_TRITON and len(decode.last_call["batch_sizes"]) >= 2
+        assert got.completion_ids == want.completion_ids and got.truncated == want.truncated, name
+        layers = model.config.num_hidden_layers
+        assert len(calls) == layers * (decode.last_call["steps"] - 1), (name, len(calls))  # every step, every layer
+        assert max(calls) < max(PROMPT_LENGTHS) + 10  # the written slots only, not the whole cache
+    print("static decode checks passed")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_cuda_graph_decoding_with_the_kernel_equals_the_grouped_sdpa():
+    """float32, 0.5B-like heads (4 over 2 of 64, vocabulary 151,936): StaticDecode's CUDA graphs with
+    the kernel give the grouped sdpa's greedy tokens over several windows, and see weights changed
+    in place."""
+    from fusedalign.generation import StaticDecode
+    from fusedalign.models import load_tokenizer
+    from tests.unit.test_static_decode import PROMPT_LENGTHS, _cuda_model, _keys, _prompts
+
+    tok = load_tokenizer("builtin:tiny-qwen2")
+    model = _cuda_model()
+    prompts, keys = _prompts(), _keys(len(PROMPT_LENGTHS))
+    kw = dict(max_new_tokens=40, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, do_sample=False,
+              repetition_penalty=1.3, window_slots=16)
+    for _ in range(2):
+        want = StaticDecode(**kw).generate(model, prompts, keys)
+        decode = StaticDecode(**kw, decode_kernel="triton")
+        got = decode.generate(model, prompts, keys)
+        assert decode.last_call["graph"] is True and decode.last_call["graphs"] >= 3
+        assert decode.last_call["attention"] == "fusedalign_grouped_triton"
+        assert got.completion_ids == want.completion_ids
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.02)
