@@ -27,6 +27,10 @@ single query position then reads those n slots only. The slots after are masked 
 the first token on. The width travels as the mask's shape, not as a setting held elsewhere, so
 a compiled step sees it as a size (symbolic under dynamic shapes), not as a constant to
 recompile for at every new width.
+
+`GROUPED_TRITON` is the same with one query position computed by the Triton kernel of
+`decode_kernel.py` (StaticDecode's `decode_kernel="triton"`): cuDNN's sdpa tiles a group's
+query rows by 64, and the kernel holds them as one block of 16.
 """
 
 from __future__ import annotations
