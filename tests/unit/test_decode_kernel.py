@@ -164,10 +164,11 @@ def static_decode_checks():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-def test_cuda_graph_decoding_with_the_kernel_equals_the_grouped_sdpa():
+@pytest.mark.parametrize("compiled", [False, True])
+def test_cuda_graph_decoding_with_the_kernel_equals_the_grouped_sdpa(compiled):
     """float32, 0.5B-like heads (4 over 2 of 64, vocabulary 151,936): StaticDecode's CUDA graphs with
-    the kernel give the grouped sdpa's greedy tokens over several windows, and see weights changed
-    in place."""
+    the kernel (the step compiled by inductor, or not) give the grouped sdpa's greedy tokens over
+    several windows, and after weights changed in place."""
     from fusedalign.generation import StaticDecode
     from fusedalign.models import load_tokenizer
     from tests.unit.test_static_decode import PROMPT_LENGTHS, _cuda_model, _keys, _prompts
@@ -179,11 +180,43 @@ def test_cuda_graph_decoding_with_the_kernel_equals_the_grouped_sdpa():
               repetition_penalty=1.3, window_slots=16)
     for _ in range(2):
         want = StaticDecode(**kw).generate(model, prompts, keys)
-        decode = StaticDecode(**kw, decode_kernel="triton")
+        decode = StaticDecode(**kw, decode_kernel="triton", compile_step=compiled)
         got = decode.generate(model, prompts, keys)
         assert decode.last_call["graph"] is True and decode.last_call["graphs"] >= 3
+        assert decode.last_call["compiled"] is compiled
         assert decode.last_call["attention"] == "fusedalign_grouped_triton"
         assert got.completion_ids == want.completion_ids
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(torch.randn_like(p) * 0.02)
+
+
+@pytest.mark.skipif(CUDA, reason="CUDA present: the compiled step with the kernel is tested in the CUDA test's setting")
+def test_a_compiled_step_takes_the_kernel_as_one_op():
+    run_under_interpreter("tests.unit.test_decode_kernel", "compiled_checks", "compiled checks passed")
+
+
+def compiled_checks():
+    """Run in the subprocess above: StaticDecode(compile_step=True, decode_kernel="triton") compiles
+    the step once, with no graph break (the kernel is a `torch.library` op dynamo does not trace
+    into), and gives the grouped sdpa's greedy tokens."""
+    patch_interpreter()
+    from torch._dynamo.utils import counters
+
+    from fusedalign.generation import StaticDecode
+    from fusedalign.models import load_model, load_tokenizer
+    from tests.unit.test_static_decode import PROMPT_LENGTHS, _keys, _prompts
+
+    tok = load_tokenizer("builtin:tiny-qwen2")
+    prompts, keys = _prompts(), _keys(len(PROMPT_LENGTHS))
+    model = load_model("builtin:tiny-qwen2", attn_implementation="sdpa").eval()
+    kw = dict(max_new_tokens=10, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, do_sample=False,
+              repetition_penalty=1.3)
+    want = StaticDecode(**kw).generate(model, prompts, keys)
+    counters.clear()
+    decode = StaticDecode(**kw, decode_kernel="triton", compile_step=True)
+    got = decode.generate(model, prompts, keys)
+    assert decode.last_call["compiled"] is True and decode.last_call["attention"] == "fusedalign_grouped_triton"
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters["graph_break"])
+    assert got.completion_ids == want.completion_ids
+    print("compiled checks passed")
