@@ -25,13 +25,15 @@ TRITON_INTERPRET=1 the same kernel runs on CPU tensors (tests).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 BLOCK_N = 64  # slots a program reads per iteration
-FILL_PROGRAMS = 512  # split the slots until rows x key/value heads x splits reaches this many programs
+FILL_PROGRAMS = 512  # programs to fill off CUDA (the interpreter): split the slots until there are this many
 LOG2E = 1.4426950408889634
 
 
@@ -81,9 +83,15 @@ def _grouped_decode(Q, K, V, MASK, ACC, MAX, SUM,
 
 
 def _programs_wanted(device: torch.device) -> int:
+    """Programs that fill the device: 4 a multiprocessor on CUDA."""
     if device.type == "cuda":
-        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+        return 4 * _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
     return FILL_PROGRAMS
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def splits_for(rows: int, kv_heads: int, slots: int, programs: int) -> int:
