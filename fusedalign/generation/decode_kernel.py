@@ -153,6 +153,8 @@ def supports(query: Tensor, key: Tensor, value: Tensor) -> str | None:
         return f"head dimension {d} (the kernel takes a power of two >= 16, the same for keys and values)"
     if query.shape[1] % key.shape[1]:
         return f"{query.shape[1]} query heads over {key.shape[1]} key/value heads"
+    if not query.dtype == key.dtype == value.dtype:
+        return f"query, keys and values in {query.dtype}, {key.dtype} and {value.dtype} (autocast)"
     if key.stride(-1) != 1 or value.stride(-1) != 1:
         return "a key or value cache whose last dimension is not contiguous"
     return None

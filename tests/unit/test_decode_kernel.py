@@ -220,3 +220,14 @@ def compiled_checks():
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters["graph_break"])
     assert got.completion_ids == want.completion_ids
     print("compiled checks passed")
+
+
+def test_what_the_kernel_does_not_take_goes_to_the_grouped_sdpa():
+    from fusedalign.generation.decode_kernel import supports
+
+    query, key, value, _ = inputs(*CASES["qwen05_heads_one_share"])
+    assert supports(query, key, value) is None
+    assert "head dimension 48" in supports(query[..., :48], key[..., :48], value[..., :48])
+    assert "autocast" in supports(query.bfloat16(), key, value)
+    assert "contiguous" in supports(query, key.transpose(-1, -2).contiguous().transpose(-1, -2), value)
+    assert "query heads" in supports(query[:, :13], key, value)
