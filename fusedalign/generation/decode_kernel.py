@@ -9,9 +9,9 @@ while the work is bound by reading the cache (at batch 512 and 256 slots, 67 MB 
 16 us at 4.3 TB/s). Here a program holds one (row, key/value head): its G query heads as a
 [16, d] block (rows past G masked), the slots in blocks of `BLOCK_N`, an online softmax in
 float32 (base 2), and the values summed with the probabilities cast to the cache's dtype, as
-flash attention does. A float32 cache is multiplied in full float32 precision, not TF32. When rows x key/value heads are too few to fill the GPU, each program
-takes a share of the slots (`splits`) and a few tensor ops combine the shares by their maxima
-and sums.
+flash attention does (a float32 cache is multiplied in full float32 precision, not TF32).
+When rows x key/value heads are too few to fill the GPU, each program takes a share of the
+slots (`splits`) and a few tensor ops combine the shares by their maxima and sums.
 
 The mask is the decoding step's boolean one (True: attend; a row's left padding False). Slots
 past the mask's width are not read, as in the grouped sdpa. Masked scores are set to -1e30, a
@@ -67,7 +67,7 @@ def _grouped_decode(Q, K, V, MASK, ACC, MAX, SUM,
         if HAS_MASK:
             valid = valid & (tl.load(MASK + b * s_mb + cols * s_ms, mask=inside, other=0) != 0)
         k = tl.load(K + b * s_kb + h * s_kg + cols[:, None] * s_ks + dims[None, :], mask=inside[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_G, BLOCK_N] float32, base 2
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_G, BLOCK_N], base 2
         scores = tl.where(valid[None, :], scores, -1.0e30)
         new_top = tl.maximum(top, tl.max(scores, 1))
         alpha = tl.exp2(top - new_top)
@@ -155,6 +155,6 @@ def supports(query: Tensor, key: Tensor, value: Tensor) -> str | None:
         return f"{query.shape[1]} query heads over {key.shape[1]} key/value heads"
     if not query.dtype == key.dtype == value.dtype:
         return f"query, keys and values in {query.dtype}, {key.dtype} and {value.dtype} (autocast)"
-    if key.stride(-1) != 1 or value.stride(-1) != 1:
-        return "a key or value cache whose last dimension is not contiguous"
+    if query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1:
+        return "a query, key or value whose last dimension is not contiguous"
     return None
