@@ -55,6 +55,19 @@ def grouped_sdpa_forward(module: nn.Module, query: Tensor, key: Tensor, value: T
     returns ([B, q, h, d], None). A single query position with g < h goes the grouped way;
     everything else (prefill, training) is transformers' sdpa. A single query position whose mask
     covers only the first n cache slots reads those n slots only."""
+    return _grouped_forward(module, query, key, value, attention_mask, dropout, scaling, kwargs, kernel=False)
+
+
+def grouped_triton_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                           attention_mask: Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                           **kwargs: Any) -> tuple[Tensor, None]:
+    """`grouped_sdpa_forward`, the grouped single query position computed by the Triton kernel
+    (`generation/decode_kernel.py`) where it applies (`_kernel_takes`)."""
+    return _grouped_forward(module, query, key, value, attention_mask, dropout, scaling, kwargs, kernel=True)
+
+
+def _grouped_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                     dropout: float, scaling: float | None, kwargs: dict, *, kernel: bool) -> tuple[Tensor, None]:
     groups = getattr(module, "num_key_value_groups", 1)
     B, h, q, d = query.shape
     if q == 1 and attention_mask is not None:
@@ -67,6 +80,13 @@ def grouped_sdpa_forward(module: nn.Module, query: Tensor, key: Tensor, value: T
             or kwargs.get("softcap") is not None or kwargs.get("output_attentions", False)):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
+    if kernel and _kernel_takes(query, key, value, attention_mask, dropout):
+        from fusedalign.generation import decode_kernel
+
+        visible = None if attention_mask is None else attention_mask[:, 0, 0, :]  # [B, slots]
+        scale = scaling if scaling is not None else d ** -0.5
+        out = decode_kernel.decode_attention(query, key, value, visible, scale)  # [B, h, 1, d]
+        return out.transpose(1, 2).contiguous(), None
     g = key.shape[1]
     grouped = query.reshape(B, g, h // g, d)  # the group's query heads as query positions
     out = torch.nn.functional.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask,
@@ -74,29 +94,17 @@ def grouped_sdpa_forward(module: nn.Module, query: Tensor, key: Tensor, value: T
     return out.reshape(B, h, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
-def grouped_triton_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
-                           attention_mask: Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                           **kwargs: Any) -> tuple[Tensor, None]:
-    """`grouped_sdpa_forward`'s signature and arithmetic, a single query position computed by the
-    Triton kernel (`generation/decode_kernel.py`) where it applies: a boolean [B, 1, 1, n] mask or
-    none, no dropout, soft-cap or position bias, a CUDA tensor (or Triton's interpreter, in tests)
-    of a head size the kernel takes. Everything else is `grouped_sdpa_forward`'s."""
-    boolean_mask = attention_mask is None or (attention_mask.dtype == torch.bool and attention_mask.dim() == 4
-                                              and attention_mask.shape[1] == 1 and attention_mask.shape[2] == 1)
-    if (query.shape[2] == 1 and boolean_mask and dropout == 0.0 and kwargs.get("position_bias") is None
-            and kwargs.get("softcap") is None and not kwargs.get("output_attentions", False)
-            and (query.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")):
-        from fusedalign.generation import decode_kernel
+def _kernel_takes(query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, dropout: float) -> bool:
+    """Whether the Triton kernel computes this grouped step: a boolean mask (one for every head) or
+    none, no dropout, a CUDA tensor (or Triton's interpreter, in tests), shapes it takes."""
+    if dropout != 0.0 or not (query.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return False
+    if attention_mask is not None and (attention_mask.dtype != torch.bool or attention_mask.dim() != 4
+                                       or attention_mask.shape[2] != 1):
+        return False
+    from fusedalign.generation import decode_kernel
 
-        visible = None
-        if attention_mask is not None:
-            slots = attention_mask.shape[-1]
-            key, value, visible = key[:, :, :slots], value[:, :, :slots], attention_mask[:, 0, 0, :]
-        if decode_kernel.supports(query, key, value) is None:
-            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-            out = decode_kernel.decode_attention(query, key, value, visible, scale)  # [B, h, 1, d]
-            return out.transpose(1, 2).contiguous(), None
-    return grouped_sdpa_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    return decode_kernel.supports(query, key, value) is None
 
 
 def register() -> None:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .decode_attention import GROUPED, GROUPED_TRITON
+from .decode_attention import KERNELS
 from .keyed import filter_logits
 
 
@@ -87,7 +87,7 @@ class DecodeState:
             self.seen = seen[:, :vocab].contiguous()
         # The 4D mask the decoding steps hand to the model: [B, 1, 1, L], over every cache slot.
         # The grouped attentions read what their mask covers.
-        self.narrows = lm.config._attn_implementation in (GROUPED, GROUPED_TRITON)
+        self.narrows = lm.config._attn_implementation in KERNELS.values()
         visible = torch.zeros((B, 1, 1, L), dtype=torch.bool, device=device)
         visible[:, 0, 0, :P] = prompt_mask.bool()
         self.additive = lm.config._attn_implementation == "eager"
