@@ -92,3 +92,17 @@ def stand_in_graphs(monkeypatch, *, rules: bool = True) -> list[int]:
     monkeypatch.setattr(static, "graphs_possible", lambda device: True)
     monkeypatch.setattr(static, "capture_step", capture)
     return captured
+
+
+def eager_and_stand_in(monkeypatch, model, prompts, keys, seed: int, **kwargs):
+    """One StaticDecode(**kwargs) call from `seed`, eager (no graphs), then the same in stand-in graphs
+    under the capture's rules. Returns (eager output, stand-in output, the stand-in's StaticDecode,
+    the windows it captured)."""
+    from fusedalign.generation import StaticDecode
+
+    torch.manual_seed(seed)
+    want = StaticDecode(**kwargs, cuda_graphs=False).generate(model, prompts, keys)
+    captured = stand_in_graphs(monkeypatch)
+    torch.manual_seed(seed)
+    decode = StaticDecode(**kwargs)
+    return want, decode.generate(model, prompts, keys), decode, captured

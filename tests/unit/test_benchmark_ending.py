@@ -107,21 +107,16 @@ def test_the_hook_inside_a_captured_step_holds_to_the_capture_rules(monkeypatch)
     """StaticDecode's step with the hook installed, in stand-in graphs held to what a CUDA graph's
     capture accepts (tests/stand_in_graphs.py): the same completions as the eager loop from one seed.
     The hook's first version, which made a tensor from host data in the step, fails here."""
-    from tests.stand_in_graphs import stand_in_graphs
+    from tests.stand_in_graphs import eager_and_stand_in
 
     model, tok = load_model("builtin:tiny-qwen2").eval(), load_tokenizer("builtin:tiny-qwen2")
     eos = model.config.vocab_size - 1
     prompts, keys = [[5, 9, 13, 17], [7, 3], [11]] * 8, [(i, 0) for i in range(24)]
-    kw = dict(max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=tok.pad_token_id, temperature=1.0,
-              window_slots=8, check_every=2)
     handle = ending.end_at_lengths(model, FIT, eos, MAX_NEW)
     try:
-        torch.manual_seed(0)
-        want = StaticDecode(**kw, cuda_graphs=False).generate(model, prompts, keys)
-        captured = stand_in_graphs(monkeypatch)
-        torch.manual_seed(0)
-        decode = StaticDecode(**kw)
-        got = decode.generate(model, prompts, keys)
+        want, got, decode, captured = eager_and_stand_in(
+            monkeypatch, model, prompts, keys, 0, max_new_tokens=MAX_NEW, eos_token_id=eos,
+            pad_token_id=tok.pad_token_id, temperature=1.0, window_slots=8, check_every=2)
     finally:
         handle.remove()
     assert decode.last_call["graph"] is True and len(captured) >= 2

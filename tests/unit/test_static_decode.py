@@ -360,7 +360,7 @@ def test_a_captured_step_holds_to_what_capture_accepts_and_draws_as_the_eager_lo
     held to the capture's rules (tests/stand_in_graphs.py: no value read back to the host, no tensor
     made from host data): the same tokens as the eager loop from the same seed, through several
     windows and a compaction."""
-    from tests.stand_in_graphs import stand_in_graphs
+    from tests.stand_in_graphs import eager_and_stand_in
 
     model = load_model("builtin:tiny-qwen2", attn_implementation="sdpa").eval()
     tok = load_tokenizer("builtin:tiny-qwen2")
@@ -369,12 +369,7 @@ def test_a_captured_step_holds_to_what_capture_accepts_and_draws_as_the_eager_lo
     torch.manual_seed(1)
     first = StaticDecode(**kw, cuda_graphs=False).generate(model, prompts, keys).completion_ids
     kw["eos_token_id"] = first[2][1]  # a token one row draws early: rows end unevenly, the batch compacts
-    torch.manual_seed(1)
-    want = StaticDecode(**kw, cuda_graphs=False).generate(model, prompts, keys)
-    captured = stand_in_graphs(monkeypatch)
-    torch.manual_seed(1)
-    decode = StaticDecode(**kw)
-    got = decode.generate(model, prompts, keys)
+    want, got, decode, captured = eager_and_stand_in(monkeypatch, model, prompts, keys, 1, **kw)
     assert decode.last_call["path"] == "static" and decode.last_call["graphs"] >= 2 and len(set(captured)) >= 2
     assert len(decode.last_call["batch_sizes"]) >= 2, decode.last_call
     assert got.completion_ids == want.completion_ids and got.truncated == want.truncated
