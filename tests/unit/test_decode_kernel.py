@@ -67,8 +67,9 @@ def test_interpreted_kernel_equals_attention_by_hand():
 
 
 def interpreter_checks():
-    """Run in the subprocess above: every case in float32 to 1e-5. (bf16 only on CUDA: Triton 3.6's
-    interpreter multiplies bf16 blocks in `tl.dot` as their raw bits.)"""
+    """Run in the subprocess above: every case in float32 to 1e-5, then in bf16 (the probabilities
+    rounded to bf16 before they weigh the values, as on the GPU) erring no more than the grouped
+    sdpa in bf16 plus the GPU test's 2e-3, against float64."""
     patch_interpreter()
     from fusedalign.generation.decode_kernel import decode_attention
 
@@ -84,7 +85,29 @@ def interpreter_checks():
     wide_k, wide_v = (torch.cat([t, torch.full_like(t, float("nan"))], 2) for t in (key, value))
     got = decode_attention(query, wide_k[:, :, :200], wide_v[:, :, :200], visible, 0.125)
     torch.testing.assert_close(got.double(), by_hand(query, key, value, visible, 0.125), rtol=1e-5, atol=1e-5)
+    for name, case in CASES.items():
+        query, key, value, visible = inputs(*case, dtype=torch.bfloat16)
+        scale = case[3] ** -0.5
+        got = decode_attention(query, key, value, visible, scale)
+        assert got.dtype == torch.bfloat16, name
+        truth = by_hand(query, key, value, visible, scale)
+        ours, sdpa = (error_of(out, truth) for out in (got, grouped_sdpa(query, key, value, visible, scale)))
+        assert ours <= sdpa + 2e-3, (name, ours, sdpa)
     print("decode kernel checks passed")
+
+
+def grouped_sdpa(query, key, value, visible, scale):
+    """What StaticDecode runs without the kernel: a group's query heads as query positions."""
+    rows, heads, _, dim = query.shape
+    kv_heads = key.shape[1]
+    mask = visible[:, None, None, :] if visible is not None else None
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.reshape(rows, kv_heads, heads // kv_heads, dim), key, value, attn_mask=mask, scale=scale)
+    return out.reshape(rows, heads, 1, dim)
+
+
+def error_of(out, truth):
+    return (out.double() - truth).abs().max().item()
 
 
 @pytest.mark.gpu

@@ -436,6 +436,17 @@ def patch_interpreter():
         return cast_impl(self, src, dst_type)
 
     interpreter.InterpreterBuilder.cast_impl = cast_rtne
+    # Its `tl.dot` multiplies bf16 blocks as their raw bits (it stores bf16 as uint16), so the
+    # products are of integers near 16,000, not of the values. The GPU multiplies the bf16 values exactly and accumulates in
+    # float32; widen bf16 blocks to float32 first, which gives the same products.
+    create_dot = interpreter.InterpreterBuilder.create_dot
+
+    def dot_bf16_as_values(self, a, b, d, input_precision, max_num_imprecise_acc):
+        widened = [interpreter.TensorHandle((x.data.astype(np.uint32) << 16).view(np.float32), triton.language.float32)
+                   if x.dtype.scalar == triton.language.bfloat16 else x for x in (a, b)]
+        return create_dot(self, *widened, d, input_precision, max_num_imprecise_acc)
+
+    interpreter.InterpreterBuilder.create_dot = dot_bf16_as_values
 
 
 def interpreter_checks():
