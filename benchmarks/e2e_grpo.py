@@ -64,6 +64,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--timed_steps", type=int, default=None, help="default 4 (--tiny: 2)")
     a("--gradient_checkpointing", action="store_true", help="both trainers (TRL 1.16's GRPO default; off here "
       "unless asked, or in --longest_search)")
+    a("--checkpoint_offload", action="store_true",
+      help="gradient checkpointing with the checkpointed layers' inputs in pinned host memory (transformers' "
+           "gradient_checkpointing_kwargs={\"offload\": true}, from 5.17), both trainers; implies "
+           "--gradient_checkpointing")
     a("--random_completions", action="store_true",
       help="replace generation by random ids, every completion --new_tokens long (both trainers; for memory)")
     a("--max_tokens_per_batch", type=int, default=None,
@@ -94,6 +98,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.longest_search:
         args.gradient_checkpointing = args.random_completions = True
+    if args.checkpoint_offload:
+        args.gradient_checkpointing = True
+        why = grpo.offload_unavailable(args.device)
+        if why:
+            p.error(f"--checkpoint_offload: {why}")
     search = args.longest_search
     for key, big, small in (("prompts", 8 if search else 64, 4), ("num_generations", 8, 4), ("new_tokens", 256, 8),
                             ("prompt_length", 128, 8), ("per_device_train_batch_size", 8 if search else 64, 8),
@@ -193,7 +202,7 @@ def table(args, results: dict) -> str:
                      ratio(r["completions_per_s"], base["completions_per_s"]) if base else "—"])
     title = (f"### GRPO, {args.prompts} prompts x {args.num_generations} completions x <= {args.new_tokens} new "
              f"tokens a step ({args.prompt_length}-token prompts, completion lengths {args.completion_lengths}, micro-batch {args.per_device_train_batch_size}, "
-             f"{args.timed_steps} timed steps after {args.warmup_steps})")
+             f"{grpo.checkpointing_words(args)}, {args.timed_steps} timed steps after {args.warmup_steps})")
     columns = ["config", "completions/s", "s a step", "generation %", "training %", "mean completion tokens",
                "backbone tokens per unique token", "training forwards a step", "peak GiB", "vs trl"]
     return title + "\n\n" + markdown(columns, rows, numeric=set(range(1, 10)))
@@ -228,7 +237,7 @@ def main(argv=None) -> int:
                                      "per_device_train_batch_size", "warmup_steps", "timed_steps", "learning_rate",
                                      "beta", "loss_type", "dtype", "seed", "model_dir", "completion_lengths",
                                      "max_tokens_per_batch"),
-                              ("gradient_checkpointing", "random_completions", "tiny"))
+                              ("gradient_checkpointing", "checkpoint_offload", "random_completions", "tiny"))
     try:
         results = rollout.launch_all(args, __file__, "grpo", skipped, flags, table)
     finally:

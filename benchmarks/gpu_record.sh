@@ -15,7 +15,9 @@
 # PARTS="compiled_decode attention compiled_generation compiled_grpo" (at most 9 min 20 s:
 # StaticDecode's step compiled by inductor against the uncompiled one, by part, in generation
 # and in GRPO; and one step's attention computed seven ways, decode_attention.py, the Triton
-# kernel among them).
+# kernel among them); PARTS="grpo_checkpointing grpo_offload" (about 8 minutes: GRPO at 64 x 8 x 256
+# with gradient checkpointing, then with its layers' inputs offloaded to host memory, ours padded
+# and packed against TRL).
 set -u
 OUT=${OUT:-$PWD/bench-out}
 MODEL=${MODEL:-/tmp/bench-model}
@@ -23,7 +25,9 @@ TEACHER=${TEACHER:-/tmp/bench-teacher}
 PARTS=${PARTS:-"decode grpo generation dpo_flex"}
 if [ "${TINY:-0}" = 1 ]; then X="--device cpu --tiny"; SHAPE="tiny=True, dtype='fp32'"; GRPO_REAL=""; BATCH=4; BATCHES=4
      GRPO_BUDGET=64; LONGEST="--search_step 8 --search_max 32"
+     OFFLOAD="--gradient_checkpointing"  # offload pins host memory, which a CPU-only machine cannot
 else X=""; SHAPE="tiny=False, dtype='bf16'"; BATCH=512; BATCHES="64 256 512"; GRPO_BUDGET=8192
+     OFFLOAD="--checkpoint_offload"
      LONGEST="--search_step 4096 --search_max 65536"
      GRPO_REAL="--prompts 8 --completion_lengths lognormal:300:1500 --new_tokens 2048 --per_device_train_batch_size 8"; fi
 mkdir -p "$OUT"
@@ -76,6 +80,12 @@ part compiled_generation 150 python3 benchmarks/generation.py $X --batches $BATC
 part compiled_grpo 200 python3 benchmarks/e2e_grpo.py $X --configs ours ours_compiled \
     --warmup_steps 1 --timed_steps 2 --model_dir "$MODEL" --log_dir "$OUT/compiled_grpo" \
     --markdown_out "$OUT/compiled_grpo.md"
+part grpo_checkpointing 240 python3 benchmarks/e2e_grpo.py $X --configs ours ours_shared_prompt trl \
+    --gradient_checkpointing --warmup_steps 1 --timed_steps 2 --max_tokens_per_batch $GRPO_BUDGET \
+    --model_dir "$MODEL" --log_dir "$OUT/grpo_checkpointing" --markdown_out "$OUT/grpo_checkpointing.md"
+part grpo_offload 240 python3 benchmarks/e2e_grpo.py $X --configs ours ours_shared_prompt trl \
+    $OFFLOAD --warmup_steps 1 --timed_steps 2 --max_tokens_per_batch $GRPO_BUDGET \
+    --model_dir "$MODEL" --log_dir "$OUT/grpo_offload" --markdown_out "$OUT/grpo_offload.md"
 part teacher 90 python3 -c "from benchmarks.builders.model import build_model as b; print(b('$TEACHER', $SHAPE, seed=1, shape='1.5b'))"
 part distill 420 python3 benchmarks/e2e_distill.py $X --configs ours trl \
     --model_dir "$MODEL" --teacher_dir "$TEACHER" --log_dir "$OUT/distill" --markdown_out "$OUT/distill.md"

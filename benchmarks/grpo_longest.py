@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import sys
 
+from benchmarks.builders import grpo
 from benchmarks.harness import runner
 from benchmarks.harness.bisect import longest_that_fits
 from benchmarks.harness.env import log
@@ -33,6 +34,7 @@ def probe(args, config: str, length: int) -> dict:
         if getattr(args, key, None) is not None:
             argv += [f"--{key}", str(getattr(args, key))]
     argv += ["--gradient_checkpointing"] if args.gradient_checkpointing else []
+    argv += ["--checkpoint_offload"] if args.checkpoint_offload else []
     argv += ["--tiny"] if args.tiny else []
     return runner.launch(argv, f"longest-{config}-{length}", log_dir=args.log_dir, device=args.device,
                          timeout=args.worker_timeout)
@@ -40,8 +42,8 @@ def probe(args, config: str, length: int) -> dict:
 
 def search_one(args, config: str) -> dict:
     log(f"{config}: searching up to {args.search_max} in steps of {args.search_step} ({args.prompts} x "
-        f"{args.num_generations} completions, micro-batch {args.per_device_train_batch_size}, gradient checkpointing "
-        f"{'on' if args.gradient_checkpointing else 'off'})")
+        f"{args.num_generations} completions, micro-batch {args.per_device_train_batch_size}, "
+        f"{grpo.checkpointing_words(args)})")
     return longest_that_fits(lambda length: probe(args, config, length), name=config, step=args.search_step,
                              smallest=args.search_min, largest=args.search_max)
 
@@ -61,8 +63,8 @@ def search(args, skipped: dict) -> tuple[dict, str]:
         else:
             rows.append([config, f"{r['status']}: {r.get('reason') or r.get('error')}", ""])
     title = (f"### GRPO, the longest max_completion_length that trains at {args.prompts} prompts x "
-             f"{args.num_generations} completions (micro-batch {args.per_device_train_batch_size}, gradient "
-             f"checkpointing {'on' if args.gradient_checkpointing else 'off'}, {args.prompt_length}-token prompts, "
+             f"{args.num_generations} completions (micro-batch {args.per_device_train_batch_size}, "
+             f"{grpo.checkpointing_words(args)}, {args.prompt_length}-token prompts, "
              f"completions of random ids at full length, steps of {args.search_step})")
     return out, title + "\n\n" + markdown(["config", "longest max_completion_length", "peak GiB at it"], rows,
                                           numeric={1, 2})

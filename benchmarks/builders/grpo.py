@@ -114,7 +114,30 @@ def grpo_args(s, output_dir: str) -> dict:
         lr_scheduler_type="linear", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
         gradient_checkpointing=s.gradient_checkpointing, report_to="none", save_strategy="no", eval_strategy="no",
         logging_steps=1, disable_tqdm=True, dataloader_num_workers=0,
+        **({"gradient_checkpointing_kwargs": {"use_reentrant": False, "offload": True}}
+           if getattr(s, "checkpoint_offload", False) else {}),
     )
+
+
+def offload_unavailable(device: str) -> str | None:
+    """Why transformers' checkpoint offload (gradient_checkpointing_kwargs={"offload": True}: the
+    checkpointed layers' inputs held in pinned host memory) cannot run here, or None."""
+    import inspect
+
+    import transformers.modeling_utils
+
+    if "save_on_cpu" not in inspect.getsource(transformers.modeling_utils):
+        return f"transformers {transformers.__version__} has no checkpoint offload (it came in 5.17)"
+    if device != "cuda":
+        return "checkpoint offload pins host memory, which needs a GPU"
+    return None
+
+
+def checkpointing_words(s) -> str:
+    """How the backbone keeps its activations, for the tables' titles."""
+    if not s.gradient_checkpointing:
+        return "gradient checkpointing off"
+    return "gradient checkpointing on" + (", its layers' inputs in host memory" if s.checkpoint_offload else "")
 
 
 def random_completions(s, vocab: int):

@@ -387,3 +387,24 @@ def test_generation_benchmark_hands_its_compaction_share_to_static_decode(tmp_pa
         sizes[share] = result["batches"]["8"]["last_call"]["batch_sizes"]
         assert f"compacting at {float(share):g} of the rows live" in (out / "table.md").read_text()
     assert len(sizes["0.9"]) >= 2 and sizes["0.9"][0] == 8 and sizes["0"] == [8], sizes
+
+
+
+def test_grpo_checkpoint_offload_reaches_both_trainers_arguments_and_is_refused_without_a_gpu(monkeypatch, capsys):
+    from benchmarks import e2e_grpo
+    from benchmarks.builders import grpo
+
+    assert "needs a GPU" in grpo.offload_unavailable("cpu")  # transformers 5.25 has it; a CPU cannot pin memory
+    with pytest.raises(SystemExit):
+        e2e_grpo.parse_args(["--device", "cpu", "--tiny", "--checkpoint_offload"])
+    assert "--checkpoint_offload: checkpoint offload pins host memory" in capsys.readouterr().err
+    monkeypatch.setattr(grpo, "offload_unavailable", lambda device: None)
+    args = e2e_grpo.parse_args(["--device", "cpu", "--tiny", "--checkpoint_offload"])
+    assert args.gradient_checkpointing
+    kwargs = grpo.grpo_args(args, "/tmp/x")  # the same arguments build TRL's config and ours
+    assert kwargs["gradient_checkpointing"] and kwargs["gradient_checkpointing_kwargs"] == {
+        "use_reentrant": False, "offload": True}
+    assert grpo.checkpointing_words(args) == "gradient checkpointing on, its layers' inputs in host memory"
+    plain = e2e_grpo.parse_args(["--device", "cpu", "--tiny"])
+    assert "gradient_checkpointing_kwargs" not in grpo.grpo_args(plain, "/tmp/x")
+    assert grpo.checkpointing_words(plain) == "gradient checkpointing off"

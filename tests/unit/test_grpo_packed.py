@@ -217,8 +217,8 @@ def test_packed_shared_prompt_rloo_equals_padded_unfused(tmp_path, prompts, repl
     assert (len(packed[2]) > len(padded[2])) == parts  # parts: more forwards than micro-batches
 
 
-OFFLOAD = pytest.param({"offload": True}, id="offload", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="transformers' offload pins host memory, which needs an accelerator"))
+OFFLOAD = pytest.param({"offload": True}, id="offload", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="transformers' offload pins host memory, which needs an accelerator")])
 
 
 @pytest.mark.parametrize("kwargs", [pytest.param({}, id="checkpointing"), OFFLOAD])
