@@ -116,7 +116,7 @@ def build_ours(run, s, output_dir, prompts, tokenizer, callback, timers):
     from fusedalign.configs import DistillationConfig
     from fusedalign.generation import GenerationOutput
     from fusedalign.trainers import distillation
-    from fusedalign.trainers.grpo_rollout import Split
+    from fusedalign.trainers.rollout_types import Split
 
     def given_split(dataset, tokenizer, args):
         # The columns its prompt tokenisation makes are already there: prompt_ids, row_index.

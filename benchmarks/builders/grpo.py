@@ -193,7 +193,7 @@ def build_ours(run, s, output_dir, prompts, tokenizer, callback, timers, reward)
 
     from fusedalign.configs.grpo import GRPOConfig
     from fusedalign.trainers.grpo import GRPOTrainer
-    from fusedalign.trainers.grpo_rollout import Split
+    from fusedalign.trainers.rollout_types import Split
 
     class BenchGRPOTrainer(GRPOTrainer):
         @staticmethod

@@ -37,7 +37,7 @@ from fusedalign.trainers.base import FusedAlignTrainer
 from fusedalign.trainers.distillation_batch import DistillationBatch, PackedDistillationBatch, distillation_batch
 from fusedalign.trainers.distillation_rollout import DistillationRollout
 from fusedalign.trainers.grpo import GRPOTrainer, _default_generator
-from fusedalign.trainers.grpo_rollout import Split
+from fusedalign.trainers.rollout_types import Split
 from fusedalign.trainers.policy import disable_dropout, load_policy
 from fusedalign.trainers.preference_inputs import check_models
 from fusedalign.trainers.teacher import load_teacher

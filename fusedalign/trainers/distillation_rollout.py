@@ -21,7 +21,8 @@ import torch
 
 from fusedalign.distributed import generation_weights
 from fusedalign.trainers.grpo_batch import GRPOMicroBatch
-from fusedalign.trainers.grpo_rollout import CompletionMetrics, GRPORollout
+from fusedalign.trainers.grpo_rollout import GRPORollout
+from fusedalign.trainers.rollout_types import CompletionMetrics
 
 
 class DistillationRollout(GRPORollout):

@@ -36,7 +36,8 @@ from fusedalign.losses import (
 from fusedalign.rewards import RewardFunctions, load_reward_function, load_reward_functions
 from fusedalign.trainers.base import FusedAlignTrainer
 from fusedalign.trainers.grpo_batch import GRPOMicroBatch
-from fusedalign.trainers.grpo_rollout import GroupAdvantages, GRPORollout, Split
+from fusedalign.trainers.grpo_rollout import GRPORollout
+from fusedalign.trainers.rollout_types import GroupAdvantages, Split
 from fusedalign.trainers.policy import load_policy
 from fusedalign.trainers.preference_inputs import check_models
 from fusedalign.trainers.reference import Reference, load_reference_model

@@ -34,105 +34,24 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any
 
 import torch
 
 from fusedalign.data.grpo import completion_batch
 from fusedalign.distributed import generation_weights
-from fusedalign.losses import Advantages, GRPOLossMetrics, RewardMetrics, group_advantages
+from fusedalign.losses import GRPOLossMetrics, RewardMetrics
 from fusedalign.losses.grpo_metrics import token_mean
-from fusedalign.metrics import Max, Mean, MetricSet, Min, logged_as
 from fusedalign.rewards import format_completions, reward_columns
 from fusedalign.trainers.component_states import CheckpointError
 from fusedalign.trainers.grpo_batch import GRPOMicroBatch
 from fusedalign.trainers.grpo_completions import CompletionLog
 from fusedalign.trainers.grpo_packed_batch import PackedLayout
+from fusedalign.trainers.rollout_types import (AdvantageStrategy, CompletionMetrics, GroupAdvantages, Scorer, Split,
+                                               Window)
 from fusedalign.trainers.step_batch import MicroBatchParts
 
 EVAL_KEYS = 2**31  # evaluation's generation keys: EVAL_KEYS + the global step (training's stay below)
-
-
-@dataclass(frozen=True)
-class CompletionMetrics(MetricSet):
-    """Completion lengths (tokens) and the share truncated, per completion, as TRL names them."""
-
-    mean_length: Mean = logged_as("completions/mean_length")
-    min_length: Min = logged_as("completions/min_length")
-    max_length: Max = logged_as("completions/max_length")
-    clipped_ratio: Mean = logged_as("completions/clipped_ratio")
-    mean_terminated_length: Mean = logged_as("completions/mean_terminated_length")
-    min_terminated_length: Min = logged_as("completions/min_terminated_length")
-    max_terminated_length: Max = logged_as("completions/max_terminated_length")
-    generation_time: Mean | None = logged_as("generation_time")  # seconds a generation, mean over ranks
-
-    @classmethod
-    def of(cls, lengths: torch.Tensor, truncated: torch.Tensor, seconds: float | None = None) -> "CompletionMetrics":
-        """From one generation's completion lengths [n], truncation flags [n] and wall time on this rank."""
-        n, t = lengths.double(), truncated.bool()
-        one, done = torch.ones_like(n), (~t).double()
-        inf = torch.full_like(n, float("inf"))
-        # Per completion (evaluation drops repeated rows): 1/n of the rank's time, counted 1/n.
-        share = torch.full_like(n, 1.0 / max(len(n), 1))
-        return cls(
-            Mean(n, one), Min(n), Max(n), Mean(t.double(), one), Mean(n * done, done),
-            Min(torch.where(t, inf, n)), Max(torch.where(t, -inf, n)),
-            None if seconds is None else Mean(share * seconds, share),
-        )
-
-
-@dataclass
-class Window:
-    """The micro-batches of one training generation window, served in order, each `uses` times."""
-
-    batches: list[GRPOMicroBatch]
-    uses: int
-    served: int = 0
-
-    @property
-    def exhausted(self) -> bool:
-        return self.served >= len(self.batches) * self.uses
-
-    def next(self) -> GRPOMicroBatch:
-        batch = self.batches[self.served % len(self.batches)]
-        self.served += 1
-        return batch
-
-
-@dataclass(frozen=True)
-class Split:
-    """What the rollout needs to know of a prompt split: its format."""
-
-    conversational: bool
-
-
-Scorer = Callable[[Any, dict, torch.Tensor], torch.Tensor]  # (model, inputs, labels) -> logps [b, T]
-
-
-class AdvantageStrategy(Protocol):
-    """Advantages of a generation batch: (rewards [N, K], weights [K], G, sequence KL [N] or None) -> Advantages.
-
-    `kl_in_reward`: the strategy takes each completion's summed KL to the reference (policy minus
-    reference log-probs over its loss tokens, at generation) when beta != 0; None otherwise.
-    """
-
-    kl_in_reward: bool
-
-    def __call__(self, rewards: torch.Tensor, weights: torch.Tensor, num_generations: int,
-                 sequence_kl: torch.Tensor | None) -> Advantages: ...
-
-
-@dataclass(frozen=True)
-class GroupAdvantages:
-    """GRPO's group-relative advantages (`losses.group_advantages`); the KL stays in the loss."""
-
-    scale_rewards: str
-    aggregation: str
-    kl_in_reward: bool = False
-
-    def __call__(self, rewards, weights, num_generations, sequence_kl=None) -> Advantages:
-        return group_advantages(rewards, weights, num_generations, self.scale_rewards, self.aggregation)
 
 
 class GRPORollout:
