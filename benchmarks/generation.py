@@ -20,6 +20,8 @@ batch x 256 tokens), at each batch size:
                 (StaticDecode(fused_sampling=True), generation/sampling_head.py)
     ours_compiled  ours with the step compiled by inductor before capture
     ours_triton    ours with each step's grouped attention in fusedalign's Triton kernel
+    ours_compiled_triton_fused  the three together: the step compiled, the Triton kernel, the
+                   draw inside the head (CUDA only)
                 (StaticDecode(decode_kernel="triton"), generation/decode_kernel.py)
                 (StaticDecode(compile_step=True); GRPO's --compile_generation)
 
@@ -58,7 +60,7 @@ from benchmarks.harness.env import gpu_info, log, versions, versions_line  # noq
 from benchmarks.harness.tables import fmt, markdown, ratio, write_markdown  # noqa: E402
 
 METHODS = ("dynamic", "dynamic_eos", "static", "continuous", "ours", "ours_eager", "ours_fused", "ours_compiled",
-           "ours_triton")
+           "ours_triton", "ours_compiled_triton_fused")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -106,7 +108,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def unavailable(method: str, device: str = "cuda") -> str | None:
-    if method == "ours_triton" and device != "cuda":
+    if method in ("ours_triton", "ours_compiled_triton_fused") and device != "cuda":
         return "the Triton kernel runs on CUDA only (on the CPU the loop would use the grouped sdpa)"
     if method == "continuous":
         from transformers import GenerationMixin
@@ -126,8 +128,9 @@ def generation_config(args, method: str, pad: int, eos: int):
 
         return StaticDecode(max_new_tokens=args.new_tokens, eos_token_id=eos, pad_token_id=pad, temperature=1.0,
                             top_p=1.0, top_k=0, cuda_graphs=method != "ours_eager",
-                            fused_sampling=method == "ours_fused", compile_step=method == "ours_compiled",
-                            decode_kernel="triton" if method == "ours_triton" else "sdpa",
+                            fused_sampling=method in ("ours_fused", "ours_compiled_triton_fused"),
+                            compile_step=method in ("ours_compiled", "ours_compiled_triton_fused"),
+                            decode_kernel="triton" if method in ("ours_triton", "ours_compiled_triton_fused") else "sdpa",
                             compact_below=args.compact_below)
 
     options = dict(max_new_tokens=args.new_tokens, do_sample=True, temperature=1.0, top_p=1.0, top_k=0, use_cache=True,

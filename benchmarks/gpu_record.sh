@@ -17,7 +17,9 @@
 # and in GRPO; and one step's attention computed seven ways, decode_attention.py, the Triton
 # kernel among them); PARTS="grpo_checkpointing grpo_offload" (about 8 minutes: GRPO at 64 x 8 x 256
 # with gradient checkpointing, then with its layers' inputs offloaded to host memory, ours padded
-# and packed against TRL).
+# and packed against TRL); PARTS="triton_decode triton_generation" (about 4 minutes: the decoding
+# step with the Triton attention kernel, by part, and generation with it, alone and with the step
+# compiled and the draw inside the head).
 set -u
 OUT=${OUT:-$PWD/bench-out}
 MODEL=${MODEL:-/tmp/bench-model}
@@ -26,8 +28,9 @@ PARTS=${PARTS:-"decode grpo generation dpo_flex"}
 if [ "${TINY:-0}" = 1 ]; then X="--device cpu --tiny"; SHAPE="tiny=True, dtype='fp32'"; GRPO_REAL=""; BATCH=4; BATCHES=4
      GRPO_BUDGET=64; LONGEST="--search_step 8 --search_max 32"
      OFFLOAD="--gradient_checkpointing"  # offload pins host memory, which a CPU-only machine cannot
+     TRITON=""  # the Triton kernel runs on CUDA only
 else X=""; SHAPE="tiny=False, dtype='bf16'"; BATCH=512; BATCHES="64 256 512"; GRPO_BUDGET=8192
-     OFFLOAD="--checkpoint_offload"
+     OFFLOAD="--checkpoint_offload"; TRITON="--decode_kernel triton"
      LONGEST="--search_step 4096 --search_max 65536"
      GRPO_REAL="--prompts 8 --completion_lengths lognormal:300:1500 --new_tokens 2048 --per_device_train_batch_size 8"; fi
 mkdir -p "$OUT"
@@ -86,6 +89,11 @@ part grpo_checkpointing 240 python3 benchmarks/e2e_grpo.py $X --configs ours our
 part grpo_offload 240 python3 benchmarks/e2e_grpo.py $X --configs ours ours_shared_prompt trl \
     $OFFLOAD --warmup_steps 1 --timed_steps 2 --max_tokens_per_batch $GRPO_BUDGET \
     --model_dir "$MODEL" --log_dir "$OUT/grpo_offload" --markdown_out "$OUT/grpo_offload.md"
+part triton_decode 60 python3 benchmarks/decode_profile.py $X --batches $BATCHES --repeats 5 --kernels 8 \
+    $TRITON --model_dir "$MODEL" --markdown_out "$OUT/triton_decode.md"
+part triton_generation 200 python3 benchmarks/generation.py $X --batches $BATCH --repeats 1 \
+    --methods ours ours_triton ours_compiled_triton_fused --model_dir "$MODEL" --log_dir "$OUT/triton_generation" \
+    --markdown_out "$OUT/triton_generation.md"
 part teacher 90 python3 -c "from benchmarks.builders.model import build_model as b; print(b('$TEACHER', $SHAPE, seed=1, shape='1.5b'))"
 part distill 420 python3 benchmarks/e2e_distill.py $X --configs ours trl \
     --model_dir "$MODEL" --teacher_dir "$TEACHER" --log_dir "$OUT/distill" --markdown_out "$OUT/distill.md"

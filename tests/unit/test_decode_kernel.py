@@ -187,11 +187,11 @@ def static_decode_checks():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("compiled", [False, True])
-def test_cuda_graph_decoding_with_the_kernel_equals_the_grouped_sdpa(compiled):
+@pytest.mark.parametrize("compiled,fused", [(False, False), (True, False), (True, True)])
+def test_cuda_graph_decoding_with_the_kernel_equals_the_grouped_sdpa(compiled, fused):
     """float32, 0.5B-like heads (4 over 2 of 64, vocabulary 151,936): StaticDecode's CUDA graphs with
-    the kernel (the step compiled by inductor, or not) give the grouped sdpa's greedy tokens over
-    several windows, and after weights changed in place."""
+    the kernel (the step compiled by inductor, or not; the draw in the head, or not) give the
+    grouped sdpa's greedy tokens over several windows, and after weights changed in place."""
     from fusedalign.generation import StaticDecode
     from fusedalign.models import load_tokenizer
     from tests.unit.test_static_decode import PROMPT_LENGTHS, _cuda_model, _keys, _prompts
@@ -203,10 +203,10 @@ def test_cuda_graph_decoding_with_the_kernel_equals_the_grouped_sdpa(compiled):
               repetition_penalty=1.3, window_slots=16)
     for _ in range(2):
         want = StaticDecode(**kw).generate(model, prompts, keys)
-        decode = StaticDecode(**kw, decode_kernel="triton", compile_step=compiled)
+        decode = StaticDecode(**kw, decode_kernel="triton", compile_step=compiled, fused_sampling=fused)
         got = decode.generate(model, prompts, keys)
         assert decode.last_call["graph"] is True and decode.last_call["graphs"] >= 3
-        assert decode.last_call["compiled"] is compiled
+        assert decode.last_call["compiled"] is compiled and decode.last_call["fused_sampling"] is fused
         assert decode.last_call["attention"] == "fusedalign_grouped_triton"
         assert got.completion_ids == want.completion_ids
         with torch.no_grad():
@@ -222,7 +222,8 @@ def test_a_compiled_step_takes_the_kernel_as_one_op():
 def compiled_checks():
     """Run in the subprocess above: StaticDecode(compile_step=True, decode_kernel="triton") compiles
     the step once, with no graph break (the kernel is a `torch.library` op dynamo does not trace
-    into), and gives the grouped sdpa's greedy tokens."""
+    into), and gives the grouped sdpa's greedy tokens; so does it with the draw inside the head
+    (fused_sampling), which breaks the graph where the head's forward is swapped."""
     patch_interpreter()
     from torch._dynamo.utils import counters
 
@@ -236,12 +237,16 @@ def compiled_checks():
     kw = dict(max_new_tokens=10, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, do_sample=False,
               repetition_penalty=1.3)
     want = StaticDecode(**kw).generate(model, prompts, keys)
-    counters.clear()
-    decode = StaticDecode(**kw, decode_kernel="triton", compile_step=True)
-    got = decode.generate(model, prompts, keys)
-    assert decode.last_call["compiled"] is True and decode.last_call["attention"] == "fusedalign_grouped_triton"
-    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters["graph_break"])
-    assert got.completion_ids == want.completion_ids
+    for fused in (False, True):  # the draw from the logits, then inside the head
+        torch._dynamo.reset()
+        counters.clear()
+        decode = StaticDecode(**kw, decode_kernel="triton", compile_step=True, fused_sampling=fused)
+        got = decode.generate(model, prompts, keys)
+        assert decode.last_call["compiled"] is True and decode.last_call["attention"] == "fusedalign_grouped_triton"
+        assert decode.last_call["fused_sampling"] is fused
+        if not fused:  # (the sampling head swaps the head's forward inside the step: dynamo breaks there)
+            assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters["graph_break"])
+        assert got.completion_ids == want.completion_ids, fused
     print("compiled checks passed")
 
 
