@@ -12,7 +12,7 @@ import re
 WANTS_A_DEVICE = re.compile(r"cuda|gpu|accelerator", re.IGNORECASE)
 
 
-def pytest_collection_modifyitems(session, config, items):
+def pytest_collection_modifyitems(items):
     orphans = []
     for item in items:
         if any(item.iter_markers("gpu")) or any(item.iter_markers("cuda_path")):
