@@ -8,7 +8,14 @@ import copy
 import pytest
 import torch
 
-from fusedalign.attention import PackedAttentionError, attention_inputs, layer_windows, visibility
+from fusedalign.attention import (
+    FLEX_KERNEL_OPTIONS,
+    PackedAttentionError,
+    attention_inputs,
+    flex_kernel_options,
+    layer_windows,
+    visibility,
+)
 from fusedalign.data.preference_batches import preference_batch
 from fusedalign.head import token_logprobs
 from fusedalign.models import load_model
@@ -134,6 +141,36 @@ def test_flex_attention_forward_on_a_shared_row_equals_the_padded_rows():
     assert isinstance(kwargs["attention_mask"], BlockMask)
     got = _per_sequence(model, batch, kwargs)
     assert _max_difference(got, _padded_per_sequence(_model("qwen2", "sdpa"), rows)) < TOL["atol"]
+
+
+def test_every_flex_forward_of_a_packed_row_is_kept_off_the_decoding_kernel(monkeypatch):
+    """Each layer's flex attention call gets FLEX_KERNEL_OPTIONS, shared row or padding-free, with or
+    without gradients (a forward without them on a row under 128 tokens is where PyTorch would take its
+    decoding kernel, wrong on packed rows: the GPU test below); other implementations get nothing."""
+    import transformers.integrations.flex_attention as hf_flex
+    from torch.nn.attention.flex_attention import flex_attention
+
+    seen = []
+
+    def spy(*args, training=False, **kwargs):  # flex's own eager forward: inductor's CPU build of short rows fails
+        seen.append(kwargs.get("kernel_options"))
+        return flex_attention(*args, **kwargs)
+
+    monkeypatch.setattr(hf_flex, "compile_friendly_flex_attention", spy)
+    model = load_model("builtin:tiny-qwen2", attn_implementation="flex_attention")
+    layers = model.config.num_hidden_layers
+    for share in (True, False):
+        batch = preference_batch(ROWS["uneven"][:3], share_prompt=share)
+        assert batch["input_ids"].shape[1] < 128
+        kwargs = attention_inputs(model, batch)
+        assert kwargs["kernel_options"] == FLEX_KERNEL_OPTIONS
+        seen.clear()
+        _per_sequence(model, batch, kwargs)
+        assert seen == [FLEX_KERNEL_OPTIONS] * layers
+    assert flex_kernel_options(model) == {"kernel_options": FLEX_KERNEL_OPTIONS}
+    sdpa = _model("qwen2", "sdpa")
+    assert flex_kernel_options(sdpa) == {}
+    assert "kernel_options" not in attention_inputs(sdpa, preference_batch(ROWS["uneven"], share_prompt=True))
 
 
 # ------------------------------------------------------------------ refusals

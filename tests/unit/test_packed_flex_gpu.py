@@ -1,6 +1,7 @@
-"""CUDA: a padding-free DPO run on a model loaded with no attention implementation asked for
-runs its packed rows on flex attention (fusedalign.attention.selection), and trains as the
-padded run on sdpa does: the same per-step losses and weights (fp32, no TF32)."""
+"""CUDA: flex attention on packed rows. A padding-free DPO run on a model loaded with no attention
+implementation asked for runs its packed rows on flex attention (fusedalign.attention.selection),
+and trains as the padded run on sdpa does: the same per-step losses and weights (fp32, no TF32).
+Short shared-prompt rows without gradients attend on flex as on sdpa, whatever compiled first."""
 
 from __future__ import annotations
 
@@ -59,3 +60,50 @@ def test_padding_free_runs_on_flex_by_default_and_equals_padded(tmp_path):
     assert attn == "flex_attention" and flex_calls > 0
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(padded_losses), rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(weights, padded_weights, rtol=1e-4, atol=1e-5)
+
+
+def _row(prompt: int, completions: list[int], seed: int):
+    """A GRPO-style shared-prompt row: one prompt, its completions after one copy of it (token ids < 512)."""
+    from fusedalign.data.grpo_packing import pack_completions
+
+    g = torch.Generator().manual_seed(seed)
+    ids = lambda n: torch.randint(3, 512, (n,), generator=g).tolist()  # noqa: E731
+    p = ids(prompt)
+    rows, positions = pack_completions([p] * len(completions), [ids(c) for c in completions], [0] * len(completions),
+                                       [True] * len(completions), share_prompt=True)
+    return rows, positions
+
+
+def test_short_rows_without_gradients_attend_as_sdpa_after_a_longer_row_compiled_first(tmp_path):
+    """The failure behind FLEX_KERNEL_OPTIONS (fusedalign.attention): on the Qwen2.5-0.5B shape in bf16,
+    a fresh compile of flex attention given a 166-token shared-prompt row and then a 108-token one,
+    without gradients (GRPO's old-policy and reference passes), gave the short row log-probs up to 0.8
+    nats off sdpa's on an H100 (torch 2.11). Each row's flex log-probs, with and without gradients,
+    must err against float32 sdpa no more than 4x bf16 sdpa's error + 0.02."""
+    from benchmarks.builders.model import QWEN05B
+    from fusedalign.head import token_logprobs
+    from fusedalign.models import load_model
+    from fusedalign.trainers.grpo_packed_batch import rows_to
+    from tests.bf16_parity import no_tf32, save_shaped_model
+
+    no_tf32()
+    path = save_shaped_model(str(tmp_path / "qwen05b_2l"), QWEN05B, layers=2)
+    flex = load_model(path, attn_implementation="flex_attention").cuda().train()
+    sdpa = load_model(path, attn_implementation="sdpa").cuda().train()
+    rows = [_row(20, [30, 1, 17, 22, 9, 25, 12, 23], seed=0), _row(12, [7, 13, 1, 20, 11, 16, 9, 12], seed=1)]
+    assert [int(r.input_ids.shape[1]) for r, _ in rows] == [166, 108]
+    torch._dynamo.reset()  # the order of first compiles is what is tested
+    for grad in (False, True):
+        for packed, positions in rows:
+            packed, positions = rows_to(packed, "cuda"), positions.cuda()
+
+            def logps(model, dtype):
+                with torch.set_grad_enabled(grad), torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+                    out = token_logprobs(model, packed.model_inputs(model), targets=packed.labels).logps
+                return out.detach().float().reshape(-1)[positions.clamp(min=0)][positions >= 0]
+
+            truth = logps(sdpa, torch.float32)
+            baseline = float((logps(sdpa, torch.bfloat16) - truth).abs().max())
+            error = float((logps(flex, torch.bfloat16) - truth).abs().max())
+            length = int(packed.input_ids.shape[1])
+            assert error <= 4 * baseline + 0.02, (length, grad, error, baseline)
