@@ -21,10 +21,11 @@ PyTorch on its main flex kernel (`FLEX_KERNEL_OPTIONS`). Left to itself, inducto
 forward without gradients whose query is shorter than 128 tokens to its decoding kernel,
 which is meant for generation's one query a step. On a row of sequences under a `BlockMask`
 that kernel gave wrong attention (torch 2.11, H100, 2026-12-05): a 108-token shared-prompt
-row's log-probs without gradients were up to 0.8 nats off those with gradients and off
+row's log-probs without gradients were up to 0.84 nats off those with gradients and off
 sdpa's when a 166-token row had compiled first (the same rows the other way round had
-passed on an H200 on 2026-12-04). GRPO's old-policy and reference passes run without gradients, so
-its ratio was wrong at the first step; DPO's and KTO's reference passes were exposed too.
+passed on an H200 on 2026-12-04). GRPO's old-policy and reference passes run without
+gradients, so its ratio was wrong at the first step; DPO's and KTO's reference passes were
+exposed too (`tests/unit/test_packed_flex_gpu.py`).
 
 What runs where: eager and sdpa everywhere; flex attention's forward on CPU (compiled by
 transformers) but not its backward (PyTorch raises), both on CUDA; flash kernels on CUDA.

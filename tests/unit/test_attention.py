@@ -144,15 +144,16 @@ def test_flex_attention_forward_on_a_shared_row_equals_the_padded_rows():
 
 
 def test_every_flex_forward_of_a_packed_row_is_kept_off_the_decoding_kernel(monkeypatch):
-    """Each layer's flex attention call gets FLEX_KERNEL_OPTIONS, shared row or padding-free, with or
-    without gradients (a forward without them on a row under 128 tokens is where PyTorch would take its
-    decoding kernel, wrong on packed rows: the GPU test below); other implementations get nothing."""
+    """Each layer's flex attention call gets FLEX_KERNEL_OPTIONS, shared row or padding-free, on a row under
+    128 tokens without gradients (where PyTorch would take its decoding kernel, wrong on packed rows:
+    test_packed_flex_gpu.py); other implementations get nothing. Flex runs here through its own eager
+    forward: inductor's CPU build of these short rows fails to compile."""
     import transformers.integrations.flex_attention as hf_flex
     from torch.nn.attention.flex_attention import flex_attention
 
     seen = []
 
-    def spy(*args, training=False, **kwargs):  # flex's own eager forward: inductor's CPU build of short rows fails
+    def spy(*args, training=False, **kwargs):
         seen.append(kwargs.get("kernel_options"))
         return flex_attention(*args, **kwargs)
 
