@@ -39,6 +39,7 @@ from fusedalign.head import (
     _lora_forward,
     _plain_forward,
     _replaced_forward,
+    forward_inputs,
     unwrap_model,
 )
 from fusedalign.ops import LowRank
@@ -205,15 +206,15 @@ def token_divergence(
     teacher_inputs = inputs if teacher_inputs is None else teacher_inputs
     if not fused:
         with torch.no_grad():
-            teacher_logits = teacher(**teacher_inputs, use_cache=False).logits  # [B, T, Vt]
-        student_logits = student(**inputs, use_cache=False).logits  # [B, T, Vs]
+            teacher_logits = teacher(**forward_inputs(teacher, teacher_inputs)).logits  # [B, T, Vt]
+        student_logits = student(**forward_inputs(student, inputs)).logits  # [B, T, Vs]
         divergence, entropy = generalised_jsd(student_logits, teacher_logits, beta, temperature=temperature)
         ignored = (labels == IGNORE_INDEX).to(divergence.device)
         return TokenDivergence(divergence.masked_fill(ignored, 0.0), entropy.masked_fill(ignored, 0.0))
     with fused_divergence(student, teacher, labels, beta=beta, temperature=temperature, **op_kwargs) as head:
         with torch.no_grad():
-            teacher(**teacher_inputs, use_cache=False)
-        out = student(**inputs, use_cache=False)
+            teacher(**forward_inputs(teacher, teacher_inputs))
+        out = student(**forward_inputs(student, inputs))
     if head.calls != {"teacher": 1, "student": 1}:
         raise RuntimeError(f"fused_divergence: expected each head to run once in its forward, got {head.calls}")
     # From the model's output, where the backends' backward hooks are (head.py).

@@ -64,6 +64,31 @@ class TokenLogProbs(NamedTuple):
 # --------------------------------------------------------------------------------------
 
 
+# Keyword arguments of every forward a trainer runs on a model using flex attention (`forward_inputs`):
+# transformers hands `kernel_options` from the forward's arguments to `flex_attention`. Left to itself,
+# inductor lowers a forward without gradients whose query is under 128 tokens to flex's decoding
+# kernel, meant for generation's one query a step; on a packed row under a BlockMask that kernel gave
+# wrong attention (torch 2.11, H100, 2026-12-05: a 108-token shared-prompt row's log-probs without
+# gradients up to 0.84 nats off sdpa's when a 166-token row had compiled first). GRPO's old-policy and
+# reference passes, DPO's and KTO's reference and distillation's teacher run without gradients.
+# tests/unit/test_packed_flex_gpu.py holds the case.
+FLEX_KERNEL_OPTIONS = {"FORCE_USE_FLEX_ATTENTION": True}
+
+
+def flex_kernel_options(model: nn.Module) -> dict[str, Any]:
+    """`{"kernel_options": FLEX_KERNEL_OPTIONS}` for a model on flex attention, else `{}`."""
+    config = getattr(unwrap_model(model), "config", None)
+    if getattr(config, "_attn_implementation", None) != "flex_attention":
+        return {}
+    return {"kernel_options": dict(FLEX_KERNEL_OPTIONS)}
+
+
+def forward_inputs(model: nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments a trainer's forward of `model` is called with: `inputs`, and on flex
+    attention `flex_kernel_options` (the caller's own `kernel_options`, if any, kept)."""
+    return {**flex_kernel_options(model), **inputs, "use_cache": False}
+
+
 def unwrap_model(model: nn.Module) -> nn.Module:
     """Returns the transformers model under DDP / DeepSpeed / PEFT wrappers.
 
@@ -427,11 +452,11 @@ def token_logprobs(
     labels = shift_labels(labels) if targets is None else targets
     stats = {"entropy": entropy, "logit_mean": logit_mean, "argmax": argmax, "entropy_grad": entropy_grad}
     if not fused:
-        logits = model(**inputs, use_cache=False).logits
+        logits = model(**forward_inputs(model, inputs)).logits
         return logprobs_from_logits(logits, labels, temperature=temperature, **stats)
     with fused_head(model, labels, temperature=temperature, row_loss=row_loss, batch_invariant=batch_invariant,
                     **stats) as head:
-        out = model(**inputs, use_cache=False)
+        out = model(**forward_inputs(model, inputs))
     if head.calls != 1:
         raise RuntimeError(
             f"fused_head: the output head ran {head.calls} times in one forward; expected exactly once."

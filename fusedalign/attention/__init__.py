@@ -16,16 +16,9 @@ tensor or a `BlockMask` as it is, for every layer type); a model mixing full and
 sliding-window layers then gets a dict {layer type: mask}, which its forward accepts in
 place of a mask, once a row is long enough for the window to matter.
 
-On flex attention every packed row's forward also carries `kernel_options` that keep
-PyTorch on its main flex kernel (`FLEX_KERNEL_OPTIONS`). Left to itself, inductor lowers a
-forward without gradients whose query is shorter than 128 tokens to its decoding kernel,
-which is meant for generation's one query a step. On a row of sequences under a `BlockMask`
-that kernel gave wrong attention (torch 2.11, H100, 2026-12-05): a 108-token shared-prompt
-row's log-probs without gradients were up to 0.84 nats off those with gradients and off
-sdpa's when a 166-token row had compiled first (the same rows the other way round had
-passed on an H200 on 2026-12-04). GRPO's old-policy and reference passes run without
-gradients, so its ratio was wrong at the first step; DPO's and KTO's reference passes were
-exposed too (`tests/unit/test_packed_flex_gpu.py`).
+On flex attention the forward that reads these arguments also gets `kernel_options` that keep
+PyTorch off flex's decoding kernel: `fusedalign.head.forward_inputs` adds them to every forward
+a trainer runs (packed or not), and says why.
 
 What runs where: eager and sdpa everywhere; flex attention's forward on CPU (compiled by
 transformers) but not its backward (PyTorch raises), both on CUDA; flash kernels on CUDA.
@@ -53,14 +46,10 @@ from fusedalign.attention.checks import (
 from fusedalign.attention.masks import additive_mask, block_mask, visibility
 from fusedalign.head import unwrap_model
 
-# Passed with every packed row's forward on flex attention (module docstring): transformers hands
-# `kernel_options` from the forward's keyword arguments to `flex_attention`.
-FLEX_KERNEL_OPTIONS = {"FORCE_USE_FLEX_ATTENTION": True}
-
 __all__ = [
-    "EXPLICIT_MASK_IMPLEMENTATIONS", "FLEX_KERNEL_OPTIONS", "SUPPORTED_LAYER_TYPES", "PackedAttentionError",
-    "additive_mask", "attention_inputs", "block_mask", "flex_kernel_options", "mask_signature", "check_mask_mapping",
-    "check_packed_attention", "check_preference_attention", "layer_windows", "visibility",
+    "EXPLICIT_MASK_IMPLEMENTATIONS", "SUPPORTED_LAYER_TYPES", "PackedAttentionError", "additive_mask",
+    "attention_inputs", "block_mask", "mask_signature", "check_mask_mapping", "check_packed_attention",
+    "check_preference_attention", "layer_windows", "visibility",
 ]
 
 
@@ -76,9 +65,8 @@ def attention_inputs(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[s
             model's device (other keys are ignored).
 
     Returns:
-        `input_ids`, `position_ids`, for a shared prompt `attention_mask` (a tensor, a
-        `BlockMask`, or a dict of them per layer type), and on flex attention `kernel_options`
-        (`FLEX_KERNEL_OPTIONS`). Call the model with `use_cache=False`.
+        `input_ids`, `position_ids` and, for a shared prompt, `attention_mask` (a tensor, a
+        `BlockMask`, or a dict of them per layer type). Call the model with `use_cache=False`.
 
     Raises:
         PackedAttentionError: the model or its attention implementation cannot isolate the
@@ -87,17 +75,16 @@ def attention_inputs(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[s
     kwargs: dict[str, Any] = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
     shared = bool((batch["parent_ids"] >= 0).any())  # one host sync per batch
     check_preference_attention(model, share_prompt=shared)
-    lm = unwrap_model(model)
-    implementation = lm.config._attn_implementation
-    kwargs.update(flex_kernel_options(lm))
     if not shared:
         return kwargs
+    lm = unwrap_model(model)
     windows = layer_windows(lm)
     furthest = int(batch["position_ids"].max())
     # A window no query-key pair of this row reaches changes nothing: leave it out, so
     # that one mask serves every layer.
     needed = {kind: (w if w is not None and w <= furthest else None) for kind, w in windows.items()}
     dtype = lm.get_input_embeddings().weight.dtype
+    implementation = lm.config._attn_implementation
     masks = {w: _mask(implementation, batch, w, dtype) for w in set(needed.values())}
     if len(masks) == 1:
         kwargs["attention_mask"] = next(iter(masks.values()))
@@ -105,14 +92,6 @@ def attention_inputs(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[s
         check_mask_mapping(lm)
         kwargs["attention_mask"] = {kind: masks[w] for kind, w in needed.items()}
     return kwargs
-
-
-def flex_kernel_options(model: nn.Module) -> dict[str, Any]:
-    """`{"kernel_options": FLEX_KERNEL_OPTIONS}` for a model on flex attention, else `{}`: the forward
-    keyword argument that keeps a training forward off flex's decoding kernel (module docstring)."""
-    if unwrap_model(model).config._attn_implementation != "flex_attention":
-        return {}
-    return {"kernel_options": dict(FLEX_KERNEL_OPTIONS)}
 
 
 def mask_signature(model: nn.Module) -> tuple:

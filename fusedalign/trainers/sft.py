@@ -16,7 +16,7 @@ from datasets import Dataset
 from torch import nn
 from transformers.utils import logging
 
-from fusedalign.attention import check_packed_attention, flex_kernel_options
+from fusedalign.attention import check_packed_attention
 from fusedalign.configs import SFTConfig
 from fusedalign.data import DataError, SFTCollator, pack_dataset, position_labels
 from fusedalign.data.splits import prepare_split
@@ -116,8 +116,7 @@ class SFTTrainer(FusedAlignTrainer):
 
     def loss_and_metrics(self, model: nn.Module, inputs: dict[str, Any], mode: str) -> tuple[torch.Tensor, SFTMetrics]:
         labels = self.labels(inputs)
-        out = self.token_logprobs(model, {**self.model_inputs(inputs), **flex_kernel_options(model)}, labels,
-                                  entropy=True, argmax=True)
+        out = self.token_logprobs(model, self.model_inputs(inputs), labels, entropy=True, argmax=True)
         # Evaluation of padding-free rows: metrics per input row (accelerate drops repeated
         # rows by their count), which costs reading the row count back; training sums anyway.
         examples = inputs.get("example_ids") if mode == "eval" else None

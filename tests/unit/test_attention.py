@@ -8,16 +8,9 @@ import copy
 import pytest
 import torch
 
-from fusedalign.attention import (
-    FLEX_KERNEL_OPTIONS,
-    PackedAttentionError,
-    attention_inputs,
-    flex_kernel_options,
-    layer_windows,
-    visibility,
-)
+from fusedalign.attention import PackedAttentionError, attention_inputs, layer_windows, visibility
 from fusedalign.data.preference_batches import preference_batch
-from fusedalign.head import token_logprobs
+from fusedalign.head import FLEX_KERNEL_OPTIONS, flex_kernel_options, forward_inputs, token_logprobs
 from fusedalign.models import load_model
 from tests.unit.test_preference_batches import ROWS, TOL, _model, _packed, _padded
 
@@ -144,12 +137,15 @@ def test_flex_attention_forward_on_a_shared_row_equals_the_padded_rows():
 
 
 def test_every_flex_forward_of_a_packed_row_is_kept_off_the_decoding_kernel(monkeypatch):
-    """Each layer's flex attention call gets FLEX_KERNEL_OPTIONS, shared row or padding-free, on a row under
-    128 tokens without gradients (where PyTorch would take its decoding kernel, wrong on packed rows:
-    test_packed_flex_gpu.py); other implementations get nothing. Flex runs here through its own eager
+    """Each layer's flex attention call gets FLEX_KERNEL_OPTIONS (head.forward_inputs) on a row under 128
+    tokens without gradients, where PyTorch would take its decoding kernel, wrong on packed rows
+    (test_packed_flex_gpu.py): shared row, padding-free row, padded rows, and both models of a
+    distillation forward; other implementations get nothing. Flex runs here through its own eager
     forward: inductor's CPU build of these short rows fails to compile."""
     import transformers.integrations.flex_attention as hf_flex
     from torch.nn.attention.flex_attention import flex_attention
+
+    from fusedalign.distill_head import token_divergence
 
     seen = []
 
@@ -164,14 +160,22 @@ def test_every_flex_forward_of_a_packed_row_is_kept_off_the_decoding_kernel(monk
         batch = preference_batch(ROWS["uneven"][:3], share_prompt=share)
         assert batch["input_ids"].shape[1] < 128
         kwargs = attention_inputs(model, batch)
-        assert kwargs["kernel_options"] == FLEX_KERNEL_OPTIONS
+        assert forward_inputs(model, kwargs)["kernel_options"] == FLEX_KERNEL_OPTIONS
         seen.clear()
         _per_sequence(model, batch, kwargs)
         assert seen == [FLEX_KERNEL_OPTIONS] * layers
+    ids = batch["input_ids"][:, :40].repeat(2, 1)
+    padded = {"input_ids": ids, "attention_mask": torch.ones_like(ids).index_fill_(1, torch.arange(30, 40), 0)}
+    seen.clear()
+    with torch.no_grad():
+        token_logprobs(model, padded, labels=ids)
+        token_divergence(model, model, padded, ids, fused=False)
+    assert seen == [FLEX_KERNEL_OPTIONS] * (3 * layers)
     assert flex_kernel_options(model) == {"kernel_options": FLEX_KERNEL_OPTIONS}
     sdpa = _model("qwen2", "sdpa")
     assert flex_kernel_options(sdpa) == {}
-    assert "kernel_options" not in attention_inputs(sdpa, preference_batch(ROWS["uneven"], share_prompt=True))
+    assert "kernel_options" not in forward_inputs(sdpa, attention_inputs(sdpa, preference_batch(ROWS["uneven"],
+                                                                                               share_prompt=True)))
 
 
 # ------------------------------------------------------------------ refusals

@@ -75,7 +75,7 @@ def _row(prompt: int, completions: list[int], seed: int):
 
 
 def test_short_rows_without_gradients_attend_as_sdpa_after_a_longer_row_compiled_first(tmp_path):
-    """The failure behind FLEX_KERNEL_OPTIONS (fusedalign.attention): on the Qwen2.5-0.5B shape in bf16,
+    """The failure behind FLEX_KERNEL_OPTIONS (fusedalign.head): on the Qwen2.5-0.5B shape in bf16,
     a fresh compile of flex attention given a 166-token shared-prompt row and then a 108-token one,
     without gradients (GRPO's old-policy and reference passes), gave the short row log-probs up to 0.84
     nats off float32 sdpa's on an H100 (torch 2.11; bf16 sdpa: 0.015). Each row's flex log-probs, with
