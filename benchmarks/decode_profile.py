@@ -13,13 +13,17 @@ captured as a CUDA graph of its own and replayed --repeats times between two CUD
 
 then the whole step as one graph (what StaticDecode replays) and the whole step eager (what
 the host adds: the launches); with --compile, the whole step compiled by inductor and then
-captured (what StaticDecode(compile_step=True) replays). The decode limit of the shape at
+captured (what StaticDecode(compile_step=True) replays); with --fused_sampling, the whole step
+with the draw inside the head (`generation/sampling_head.py`: no [B, V] logits, what
+StaticDecode(fused_sampling=True) runs), as one graph and, with --compile, compiled first. The
+decode limit of the shape at
 that batch and context (`harness/decode_limit.py`, datasheet peaks) sets the floor the step
 could reach.
 
 Examples:
     python benchmarks/decode_profile.py                          # batch 64 256 512
     python benchmarks/decode_profile.py --top_k 50 --top_p 0.9   # with TRL's filtering flags
+    python benchmarks/decode_profile.py --batches 512 --compile --fused_sampling --decode_kernel triton
     python benchmarks/decode_profile.py --device cpu --tiny      # smoke test (eager, wall clock)
 """
 
@@ -72,6 +76,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true",
                    help="also time the whole step compiled by torch.compile (inductor) before capture, as "
                         "StaticDecode(compile_step=True) runs it")
+    p.add_argument("--fused_sampling", action="store_true",
+                   help="also time the whole step with the draw inside the head (StaticDecode(fused_sampling=True)), "
+                        "as one graph and, with --compile, compiled first")
     p.add_argument("--kernels", type=int, default=0, metavar="N",
                    help="also list the N kernels that take the most GPU time in the forward (torch.profiler)")
     args = p.parse_args(argv)
@@ -133,7 +140,9 @@ def profile_batch(args, model, batch: int, clock: Clock) -> dict[str, float]:
     import torch
     from transformers import StaticCache
 
+    from fusedalign.architectures import post_processing_of
     from fusedalign.generation import StaticDecode
+    from fusedalign.generation import sampling_head as sampling
     from fusedalign.generation.decode_state import (
         DecodeState,
         cache_keyword,
@@ -144,6 +153,10 @@ def profile_batch(args, model, batch: int, clock: Clock) -> dict[str, float]:
 
     device = next(model.parameters()).device
     vocab = model.config.vocab_size
+    if args.fused_sampling and (why := sampling.usable(model, {"top_k": args.top_k, "top_p": args.top_p,
+                                                               "min_p": args.min_p}, None)):
+        raise SystemExit(f"decode_profile.py: --fused_sampling: the sampling head cannot draw here: {why}")
+    post = post_processing_of(model) if args.fused_sampling else None
     decode = StaticDecode(max_new_tokens=args.new_tokens, eos_token_id=vocab - 1, pad_token_id=0,
                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                           repetition_penalty=args.repetition_penalty)
@@ -188,12 +201,24 @@ def profile_batch(args, model, batch: int, clock: Clock) -> dict[str, float]:
                 state.seen.scatter_(1, token[:, None], True)
             state.token.copy_(token[:, None])
 
+        def stay():  # inside the buffers however often it is replayed
+            state.index.fill_(1)
+            state.slot.fill_(context)
+            state.position.fill_(context)
+
         def whole():
             forward()
             state.take(buffers["logits"].float())
-            state.index.fill_(1)  # stay inside the buffers however often it is replayed
-            state.slot.fill_(context)
-            state.position.fill_(context)
+            stay()
+
+        def whole_fused():  # StaticDecode's forward_and_draw with the sampling head
+            rewind()
+            with sampling.sampling_head(model, decode._sampling_state(post, state)):
+                drawn = model(input_ids=state.token, attention_mask=state.open_slot(window),
+                              position_ids=state.position, use_cache=True, logits_to_keep=1,
+                              **{keyword: cache}).logits[:, -1]
+            state.advance(drawn[:, 0].long())
+            stay()
 
         times = {}
         # The cache slots StaticDecode's graph would read at this context (`window_slots`).
@@ -205,6 +230,11 @@ def profile_batch(args, model, batch: int, clock: Clock) -> dict[str, float]:
         times["step, eager"] = clock.eager_ms(whole)
         if args.compile:  # StaticDecode(compile_step=True): inductor first, then the graph
             times["step, compiled, one graph"] = clock.graph_ms(torch.compile(whole, dynamic=True))
+        if args.fused_sampling:
+            times["step, draw in the head, one graph"] = clock.graph_ms(whole_fused)
+            if args.compile:
+                times["step, draw in the head, compiled, one graph"] = clock.graph_ms(
+                    torch.compile(whole_fused, dynamic=True))
         kernels = top_kernels(forward, args.kernels) if args.kernels and device.type == "cuda" else []
     del cache
     return times, kernels

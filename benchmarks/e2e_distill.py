@@ -21,6 +21,7 @@ both against TRL's.
 Examples:
     python benchmarks/e2e_distill.py                                    # GPU: trl and ours
     python benchmarks/e2e_distill.py --configs ours ours_generate trl --timed_steps 3
+    python benchmarks/e2e_distill.py --configs ours ours_padding_free trl --max_tokens_per_batch 4096
     python benchmarks/e2e_distill.py --device cpu --tiny                # smoke test
 """
 
@@ -46,7 +47,7 @@ from benchmarks.harness.tables import fmt, markdown, ratio, write_markdown  # no
 # Passed on to each worker as --KEY VALUE.
 FORWARDED = ("device", "per_device_train_batch_size", "gradient_accumulation_steps", "new_tokens", "prompt_length",
              "completion_lengths", "warmup_steps", "timed_steps", "learning_rate", "beta", "temperature", "dtype",
-             "seed", "model_dir", "teacher_dir")
+             "seed", "model_dir", "teacher_dir", "max_tokens_per_batch")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -66,6 +67,9 @@ def parse_args(argv=None) -> argparse.Namespace:
       help="lognormal:MEDIAN:P95 (completions end at lengths of that distribution, truncated at --new_tokens, for "
            "TRL's sampler and ours alike: benchmarks/builders/ending.py) or fixed (every one runs to --new_tokens); "
            "default lognormal:300:1500 (--tiny: lognormal:4:12)")
+    a("--max_tokens_per_batch", type=int, default=None,
+      help="ours_padding_free's token budget (0: --prompt_length + --new_tokens, one sequence's row, the smallest "
+           "that trains); default: none, each micro-batch one packed row")
     a("--warmup_steps", type=int, default=1)
     a("--timed_steps", type=int, default=2)
     a("--gradient_checkpointing", action="store_true", help="both trainers (TRL 1.16's default; off here unless asked)")
@@ -156,11 +160,12 @@ def first_step(args, results: dict) -> tuple[str, list[str]]:
     prompts in the same order (TRL's sampler, which ours keeps), so their first step trains on
     the same completions and must log the same divergence; a difference there is a different
     loss, or a sampler that drew differently. `ours` on CUDA samples with StaticDecode, whose
-    draws differ: it is shown, not held to it.
+    draws differ: it is shown, not held to it, and so is `ours_padding_free` (StaticDecode too).
     """
-    names = [n for n in ("trl", "ours_generate", "ours") if n in args.configs]
-    checks = [agreement.Check("completions/mean_length", 0.0, steps=1, skip=("ours",)),
-              agreement.Check("loss", args.loss_atol, steps=1, skip=("ours",))]
+    names = [n for n in ("trl", "ours_generate", "ours", "ours_padding_free") if n in args.configs]
+    shown = ("ours", "ours_padding_free")
+    checks = [agreement.Check("completions/mean_length", 0.0, steps=1, skip=shown),
+              agreement.Check("loss", args.loss_atol, steps=1, skip=shown)]
     out = agreement.compare(results, names, checks)
     worst = ", ".join(f"{k} {v:.3g}" for k, v in out.worst.items())
     return out.verdict + (f" (largest difference: {worst})" if worst else ""), out.lines

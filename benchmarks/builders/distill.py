@@ -23,6 +23,7 @@ class DistillRun:
     name: str
     trainer: str                      # "trl" or "ours"
     generation_backend: str = "auto"  # ours: auto (StaticDecode on CUDA), generate or static
+    padding_free: bool = False        # ours: each micro-batch's sequences in one packed row (--max_tokens_per_batch)
     about: str = ""
 
 
@@ -31,6 +32,9 @@ RUNS = {r.name: r for r in (
                                    "no vLLM"),
     DistillRun("ours", "ours", about="fusedalign.trainers.distillation.DistillationTrainer, its default generator "
                                      "(on CUDA: StaticDecode, a static cache and one CUDA graph replay a token)"),
+    DistillRun("ours_padding_free", "ours", padding_free=True,
+               about="ours with padding_free=True: each micro-batch's prompt + completion sequences in one packed row "
+                     "(rows of at most --max_tokens_per_batch tokens when given), no padding"),
     DistillRun("ours_generate", "ours", generation_backend="generate",
                about="ours with generation_backend='generate': transformers' generate, as TRL"),
 )}
@@ -122,7 +126,12 @@ def build_ours(run, s, output_dir, prompts, tokenizer, callback, timers):
         # The columns its prompt tokenisation makes are already there: prompt_ids, row_index.
         return dataset, None if dataset is None else Split(conversational=False)
 
-    args = DistillationConfig(**distill_args(s, output_dir), generation_backend=run.generation_backend)
+    packing = {}
+    if run.padding_free:
+        packing = dict(padding_free=True)
+        if s.max_tokens_per_batch is not None:  # 0: one sequence's row, the smallest budget that trains
+            packing["max_tokens_per_batch"] = s.max_tokens_per_batch or s.prompt_length + s.new_tokens
+    args = DistillationConfig(**distill_args(s, output_dir), generation_backend=run.generation_backend, **packing)
     index = list(range(len(prompts)))
     rows = Dataset.from_dict({"prompt": [str(i) for i in index], "prompt_ids": prompts, "row_index": index})
     with mock.patch.object(distillation, "_prepare_split", given_split):

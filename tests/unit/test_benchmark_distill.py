@@ -55,3 +55,13 @@ def test_worker_trains_ours_on_completions_of_the_stated_lengths(tmp_path):
     assert 0 < r["generation_share"] < 1 and r["completions_per_s"] > 0
     # The hook ends completions early (median 4 tokens); without it every one runs to 16.
     assert 1 <= r["mean_completion_length"] < 16
+    # ours_padding_free under the smallest budget (one sequence a row: micro-batches trained in
+    # parts) samples the same completions on the CPU (generate, one seed) and must train the same.
+    packed = tmp_path / "packed.json"
+    rc = e2e_distill.main(["--device", "cpu", "--tiny", "--worker", "ours_padding_free", "--timed_steps", "1",
+                           "--max_tokens_per_batch", "0", "--model_dir", str(student), "--teacher_dir", str(teacher),
+                           "--result", str(packed)])
+    p = json.loads(packed.read_text())
+    assert rc == 0 and p["status"] == "ok", p
+    for key in ("loss", "completions/mean_length", "grad_norm"):
+        assert [e[key] for e in p["logs"]] == pytest.approx([e[key] for e in r["logs"]], rel=1e-4, abs=1e-6), key

@@ -350,6 +350,21 @@ def test_decode_profile_cpu_smoke_lists_each_part_and_the_attention_it_decoded_w
     assert len(captured) >= 2 * (len(decode_profile.PARTS) + 1)  # each part and the whole step, both runs
 
 
+def test_decode_profile_times_the_step_with_the_draw_in_the_head_under_capture_rules(tmp_path, monkeypatch):
+    """--fused_sampling adds the whole step as StaticDecode(fused_sampling=True) runs it, held to
+    the rules of a capture; filtering flags the sampling head cannot serve are refused in one line."""
+    from benchmarks import decode_profile
+
+    captured = _held_to_capture_rules(monkeypatch)
+    out = tmp_path / "fused.md"
+    assert decode_profile.main(["--device", "cpu", "--tiny", "--repeats", "1", "--fused_sampling",
+                                "--markdown_out", str(out)]) == 0
+    assert "| step, draw in the head, one graph |" in out.read_text()
+    assert len(captured) == len(decode_profile.PARTS) + 2  # each part, the whole step, the fused step
+    with pytest.raises(SystemExit, match="--fused_sampling: .*top-k"):
+        decode_profile.main(["--device", "cpu", "--tiny", "--repeats", "1", "--fused_sampling", "--top_k", "5"])
+
+
 def test_decode_attention_cpu_smoke_times_every_variant_and_checks_it_against_float32(tmp_path, monkeypatch):
     """Each variant's row holds its time and its error against float32 arithmetic, which is
     small for every variant the CPU runs; flex attention's row says why it did not run."""
