@@ -211,12 +211,11 @@ def profile_batch(args, model, batch: int, clock: Clock) -> dict[str, float]:
             state.take(buffers["logits"].float())
             stay()
 
-        def whole_fused():  # StaticDecode's forward_and_draw with the sampling head
+        def whole_fused():  # StaticDecode's step with the sampling head (installed around the call, as there)
             rewind()
-            with sampling.sampling_head(model, decode._sampling_state(post, state)):
-                drawn = model(input_ids=state.token, attention_mask=state.open_slot(window),
-                              position_ids=state.position, use_cache=True, logits_to_keep=1,
-                              **{keyword: cache}).logits[:, -1]
+            drawn = model(input_ids=state.token, attention_mask=state.open_slot(window),
+                          position_ids=state.position, use_cache=True, logits_to_keep=1,
+                          **{keyword: cache}).logits[:, -1]
             state.advance(drawn[:, 0].long())
             stay()
 
@@ -231,10 +230,13 @@ def profile_batch(args, model, batch: int, clock: Clock) -> dict[str, float]:
         if args.compile:  # StaticDecode(compile_step=True): inductor first, then the graph
             times["step, compiled, one graph"] = clock.graph_ms(torch.compile(whole, dynamic=True))
         if args.fused_sampling:
-            times["step, draw in the head, one graph"] = clock.graph_ms(whole_fused)
-            if args.compile:
-                times["step, draw in the head, compiled, one graph"] = clock.graph_ms(
-                    torch.compile(whole_fused, dynamic=True))
+            head = decode._sampling_state(post)
+            head.seen = state.seen
+            with sampling.sampling_head(model, head):
+                times["step, draw in the head, one graph"] = clock.graph_ms(whole_fused)
+                if args.compile:
+                    times["step, draw in the head, compiled, one graph"] = clock.graph_ms(
+                        torch.compile(whole_fused, dynamic=True))
         kernels = top_kernels(forward, args.kernels) if args.kernels and device.type == "cuda" else []
     del cache
     return times, kernels

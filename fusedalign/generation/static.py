@@ -40,6 +40,7 @@ it as it is). For anything else `generate` is called instead, with the same flag
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import sys
 from typing import Any, Sequence
@@ -176,8 +177,15 @@ class StaticDecode:
             self.last_call = {"path": "generate", "why": reason}
             return self.fallback.generate(model, prompt_ids, row_keys, step=step)
         input_ids, attention_mask = left_pad(prompt_ids, self.pad_token_id)
-        with torch.no_grad(), decoding_attention(unwrap_model(model), self.decode_kernel):
-            tokens, logprobs = self._decode(model, input_ids, attention_mask, row_keys, step)
+        lm = unwrap_model(model)
+        why_not_fused = sampling.usable(lm, self.processing, self.sampler) if self.fused_sampling else "not asked"
+        # The sampling head is installed once for the whole call, outside the step: installing it
+        # inside would swap a module's forward in the compiled step, a graph break.
+        head = None if why_not_fused else self._sampling_state(post_processing_of(lm))
+        with torch.no_grad(), decoding_attention(lm, self.decode_kernel), \
+                sampling.sampling_head(lm, head) if head is not None else contextlib.nullcontext():
+            tokens, logprobs = self._decode(model, input_ids, attention_mask, row_keys, step, head)
+        self.last_call["why_not_fused"] = why_not_fused
         completions, truncated = cut_after_eos(tokens, self.eos_token_ids)
         if logprobs is not None:
             rows = logprobs.cpu().tolist()
@@ -186,8 +194,10 @@ class StaticDecode:
 
     # ------------------------------------------------------------------ the loop
 
-    def _decode(self, model: nn.Module, input_ids: Tensor, prompt_mask: Tensor, row_keys, step: int):
-        """[B, max_new_tokens] tokens (padding after each row's EOS), and the sampler's log-probs."""
+    def _decode(self, model: nn.Module, input_ids: Tensor, prompt_mask: Tensor, row_keys, step: int,
+                head: "sampling.SamplingHead | None"):
+        """[B, max_new_tokens] tokens (padding after each row's EOS), and the sampler's log-probs;
+        with `head` (installed) each token is drawn inside the head's forward."""
         from transformers import StaticCache
 
         device = next(model.parameters()).device
@@ -206,16 +216,17 @@ class StaticDecode:
         if self.sampler is not None:
             self.sampler.bind(row_keys, P, step)
         state = DecodeState(self, B, slots, P, device, input_ids, prompt_mask, lm)
-        why_not_fused = sampling.usable(lm, self.processing, self.sampler) if self.fused_sampling else "not asked"
-        post = post_processing_of(lm) if why_not_fused is None else None
+        if head is not None:
+            head.seen = state.seen  # and again whenever compaction rebinds `state`
 
         def forward_and_draw(first: bool = False, **inputs) -> None:
-            if post is None:
+            if head is None:
                 logits = model(use_cache=True, logits_to_keep=1, **{keyword: cache}, **inputs).logits
                 state.take(logits[:, -1].float(), first=first)
                 return
-            with sampling.sampling_head(lm, self._sampling_state(post, state)):
-                drawn = model(use_cache=True, logits_to_keep=1, **{keyword: cache}, **inputs).logits[:, -1]
+            if self.sampler is not None:
+                head.position = int(state.index)  # keyed: eager, a host read per token
+            drawn = model(use_cache=True, logits_to_keep=1, **{keyword: cache}, **inputs).logits[:, -1]
             state.advance(drawn[:, 0].long(), drawn[:, 1] if self.sampler is not None else None, first)
 
         forward_and_draw(first=True, input_ids=input_ids, attention_mask=prompt_mask, position_ids=positions)
@@ -263,25 +274,27 @@ class StaticDecode:
                 del graph  # its memory pool goes with it
                 graph, rows = None, rows.index_select(0, keep)
                 state = state.select(keep)
+                if head is not None:
+                    head.seen = state.seen
                 select_cache_rows(cache, keep)
                 if self.sampler is not None:
                     self.sampler.select(keep)
                 sizes.append(left)
         write_back(state, rows, tokens, logprobs)
         self.last_call = {"path": "static", "graph": graphs > 0, "graphs": graphs, "steps": 1 + done,
-                          "batch_sizes": sizes, "fused_sampling": post is not None, "compiled": compiled,
-                          "why_not_fused": why_not_fused, "attention": lm.config._attn_implementation}
+                          "batch_sizes": sizes, "fused_sampling": head is not None, "compiled": compiled,
+                          "attention": lm.config._attn_implementation}
         del graph, cache
         return tokens, logprobs
 
-    def _sampling_state(self, post: Any, state: DecodeState) -> "sampling.SamplingHead":
-        """The sampling head's flags for the next draw (a keyed sampler's temperature is its own)."""
+    def _sampling_state(self, post: Any) -> "sampling.SamplingHead":
+        """The sampling head's flags for a call (a keyed sampler's temperature is its own); the
+        loop sets its `seen` (and a keyed sampler's `position`) as it goes."""
         keyed = self.sampler is not None
         return sampling.SamplingHead(
             post, repetition_penalty=self.processing["repetition_penalty"],
             temperature=self.sampler.temperature if keyed else self.processing["temperature"],
-            do_sample=self.do_sample, seen=state.seen, sampler=self.sampler,
-            position=int(state.index) if keyed else 0)  # keyed: eager, a host read per token
+            do_sample=self.do_sample, seen=None, sampler=self.sampler)
 
     def _announce_compilation(self) -> None:
         """One line, on the first compiled call (from one rank): why that generation takes longer."""

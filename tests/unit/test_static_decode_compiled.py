@@ -127,8 +127,9 @@ def test_compiled_draws_are_fresh_samples_of_the_processed_softmax(fresh_dynamo)
 
 
 def test_a_compiled_step_with_the_sampling_head_decodes_as_the_eager_loop(fresh_dynamo):
-    """The sampling head swaps the head's forward inside the step (dynamo breaks the graph
-    there); the greedy tokens stay those of the uncompiled loop."""
+    """The sampling head is installed around the call, not inside the step, so dynamo compiles
+    the step with the draw in it as one graph, without a break; the greedy tokens stay those of
+    the uncompiled loop."""
     model = load_model("builtin:tiny-qwen2", attn_implementation="sdpa").eval()
     tok = load_tokenizer("builtin:tiny-qwen2")
     prompts, keys = _prompts(), _keys(len(PROMPT_LENGTHS))
@@ -139,4 +140,4 @@ def test_a_compiled_step_with_the_sampling_head_decodes_as_the_eager_loop(fresh_
     got = decode.generate(model, prompts, keys)
     assert decode.last_call["compiled"] is True and decode.last_call["fused_sampling"] is True
     assert got.completion_ids == want.completion_ids
-    assert counters["stats"]["unique_graphs"] >= 1
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters["graph_break"])
