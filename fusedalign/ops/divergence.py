@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from fusedalign.ops.gemm import wide_mm
+from fusedalign.ops.gemm import accumulate_mm, wide_mm
 from fusedalign.ops.options import compute_dtype
 
 
@@ -91,22 +91,28 @@ class DivergenceOutput(NamedTuple):
 
 def _softmax_input(h: Tensor, weight: Tensor, bias: Tensor | None, down: Tensor | None, up: Tensor | None,
                    low_rank_scale: float, spec: HeadSpec, cdt: torch.dtype) -> tuple[Tensor, Tensor | None]:
-    """(y, tanh(a / softcap) or None) of one block: y = z / T [n, c] in `cdt`, from the GEMM in the input dtype."""
+    """(y, tanh(a / softcap) or None) of one block: y = z / T [n, c] in `cdt`, from the GEMM in the input dtype.
+
+    Works in place on the GEMM's own output (a fresh tensor): one [n, c] block in `cdt`, two with a softcap.
+    """
     a = torch.mm(h, weight.t()).to(cdt)  # [n, H] @ [H, c]
     if bias is not None:
-        a = a + bias.to(cdt)
+        a.add_(bias)
     if down is not None:
-        a = a + low_rank_scale * torch.mm(down, up.t()).to(cdt)  # [n, r] @ [r, c]
+        accumulate_mm(a, down * low_rank_scale, up.t())  # [n, r] @ [r, c], into the block
     if spec.logit_scale != 1.0:
-        a = a * spec.logit_scale
+        a.mul_(spec.logit_scale)
     if spec.softcap is None:
-        return a / spec.temperature, None
-    t = torch.tanh(a / spec.softcap)
+        return a.div_(spec.temperature), None
+    t = a.div_(spec.softcap).tanh_()
     return t * (spec.softcap / spec.temperature), t
 
 
 class _Block(NamedTuple):
-    """One rows x columns block of both models: y [n, c] each (student -inf beyond its vocabulary)."""
+    """One rows x columns block of both models: y [n, c] each (student -inf beyond its vocabulary).
+
+    Its tensors are the block's own: `_values` and `_grad_u` overwrite them.
+    """
 
     ys: Tensor
     tanh_s: Tensor | None
@@ -129,37 +135,95 @@ def _block(hs, ws, bs, down, up, ht, wt, bt, cols: slice, opts: DivergenceOption
     return _Block(ys, tanh_s, yt, s_end - cols.start)
 
 
-def _terms(block: _Block, lse_s: Tensor, lse_t: Tensor, beta: float):
-    """Per-row sums over one block: (D, E_p[g], student entropy) [n] each, and the [n, c] pieces the gradient uses.
+# Memory. A block's math runs on [n, c] tensors in the compute dtype; each step below overwrites
+# one the block no longer needs, so that at most three are alive at once for beta 0 or 1 (the
+# student's and the teacher's log-probs and one more), four for the mixture, one more with a
+# softcap (the student's tanh), forward and backward (tests/unit/test_divergence.py holds the
+# bound; before 2026-12-05 it was 12 to 15). Products with the student's p where the student has no column (p = 0, s = -inf) are
+# NaN in IEEE arithmetic and 0 in the math: those columns are a contiguous tail, zeroed.
+
+
+def _log_probs(ys: Tensor, yt: Tensor, lse_s: Tensor, lse_t: Tensor) -> tuple[Tensor, Tensor]:
+    """(s, t) [n, c]: the block's log-softmaxes, in place of its y's.
 
     lse_s, lse_t: [n, 2] each model's logsumexp as (row max, log sum exp(y - max)): subtracting the
     max first, as log_softmax does, keeps the log-probs' rounding at the scale of log V, not of |y|.
     """
-    s = (block.ys - lse_s[:, :1]) - lse_s[:, 1:]
-    t = (block.yt - lse_t[:, :1]) - lse_t[:, 1:]
-    p, q = s.exp(), t.exp()
-    live = p > 0  # 0 * (-inf) terms are 0: the student's columns beyond its vocabulary
-    p_s = torch.where(live, p * s, 0.0)
-    entropy = -p_s.sum(1)
-    if beta == 0.0:
-        return (q * (t - s)).sum(1), None, entropy, (s, t, None)
-    if beta == 1.0:
-        d = torch.where(live, p * (s - t), 0.0).sum(1)
-        return d, d, entropy, (s, t, None)
-    log_m = torch.logaddexp(s + math.log1p(-beta), t + math.log(beta))
-    kl_student = torch.where(live, p * (s - log_m), 0.0).sum(1)
-    d = beta * (q * (t - log_m)).sum(1) + (1.0 - beta) * kl_student
-    return d, (1.0 - beta) * kl_student, entropy, (s, t, log_m)
+    return ys.sub_(lse_s[:, :1]).sub_(lse_s[:, 1:]), yt.sub_(lse_t[:, :1]).sub_(lse_t[:, 1:])
 
 
-def _grad_y(pieces, expected_g: Tensor | None, beta: float) -> Tensor:
-    """dD/dy_student [n, c] from `_terms`' pieces (0 on the student's missing columns)."""
-    s, t, log_m = pieces
-    p = s.exp()
-    if beta == 0.0:
-        return p - t.exp()
-    g = s - t if beta == 1.0 else (1.0 - beta) * (s - log_m)
-    return torch.where(p > 0, p * (g - expected_g[:, None]), 0.0)
+def _row_sum(x: Tensor, student_cols: int) -> Tensor:
+    """Sum over the block's columns of a product with the student's p: its missing columns count 0."""
+    if student_cols < x.shape[1]:
+        x[:, student_cols:] = 0.0
+    return x.sum(1)
+
+
+def _log_mixture(s: Tensor, t: Tensor, beta: float) -> Tensor:
+    """log m = log((1 - beta) p + beta q) [n, c], a new tensor (one more alive while it is made)."""
+    log_m = s + math.log1p(-beta)
+    return torch.logaddexp(log_m, t + math.log(beta), out=log_m)
+
+
+def _values(block: _Block, lse_s: Tensor | None, lse_t: Tensor | None, beta: float):
+    """Per-row sums over one block: (D, E_p[g] or None for beta = 0, the student's entropy) [n] each,
+    and the logsumexps (computed here from the block, which then holds whole rows, when None).
+
+    Consumes the block: pass it as a temporary, so that its tensors go as soon as they are used."""
+    if lse_s is None:
+        lse_s, lse_t = _max_and_log_sum(block.ys), _max_and_log_sum(block.yt)
+    s, t = _log_probs(block.ys, block.yt, lse_s, lse_t)
+    cols = block.student_cols
+    del block
+    if beta == 0.0:  # D = sum q (t - s): the op refuses a student missing columns the teacher has
+        q = t.exp()
+        d = t.sub_(s).mul_(q).sum(1)
+        del q, t
+        p = s.exp()
+    elif beta == 1.0:  # D = sum p (s - t)
+        p = s.exp()
+        d = _row_sum(t.sub_(s).mul_(p), cols).neg_()
+        del t
+    else:  # D = beta sum q (t - log m) + (1 - beta) sum p (s - log m)
+        log_m = _log_mixture(s, t, beta)
+        q = t.exp()
+        d_teacher = t.sub_(log_m).mul_(q).sum(1)
+        del q, t
+        p = s.exp()
+        kl_student = _row_sum(log_m.sub_(s).mul_(p), cols).neg_()  # sum p (s - log m)
+        del log_m
+        d = beta * d_teacher + (1.0 - beta) * kl_student
+    entropy = _row_sum(s.mul_(p), cols).neg_()
+    expected_g = None if beta == 0.0 else (d if beta == 1.0 else (1.0 - beta) * kl_student)
+    return d, expected_g, entropy, lse_s, lse_t
+
+
+def _grad_u(block: _Block, lse_s: Tensor, lse_t: Tensor, expected_g: Tensor | None, beta: float) -> Tensor:
+    """dD/du [n, c] of one block, u the student's head output before its softcap (0 on its missing
+    columns): dD/dy times the softcap's derivative. Consumes the block: pass it as a temporary."""
+    s, t = _log_probs(block.ys, block.yt, lse_s, lse_t)
+    cols, tanh = block.student_cols, block.tanh_s
+    del block
+    if beta == 0.0:  # p - q
+        G = s.exp_().sub_(t.exp_())
+    else:
+        if beta == 1.0:  # g = s - t
+            p = s.exp()
+            g = s.sub_(t)
+            del t
+        else:  # g = (1 - beta)(s - log m)
+            log_m = _log_mixture(s, t, beta)
+            del t
+            p = s.exp()
+            g = s.sub_(log_m).mul_(1.0 - beta)
+            del log_m
+        G = g.sub_(expected_g[:, None]).mul_(p)  # p (g - E_p[g])
+        del p
+        if cols < G.shape[1]:
+            G[:, cols:] = 0.0
+    if tanh is not None:
+        G.mul_(tanh.square_().neg_().add_(1.0))  # the softcap's chain rule
+    return G
 
 
 def _col_blocks(v: int, cols: int) -> list[slice]:
@@ -169,7 +233,7 @@ def _col_blocks(v: int, cols: int) -> list[slice]:
 def _max_and_log_sum(y: Tensor) -> Tensor:
     """[n, 2]: (max_j y_j, log sum_j exp(y_j - max)) of a block holding whole rows."""
     m = y.amax(1)
-    return torch.stack([m, (y - m[:, None]).exp().sum(1).log()], 1)
+    return torch.stack([m, (y - m[:, None]).exp_().sum(1).log()], 1)
 
 
 def _logsumexps(hs, ws, bs, down, up, ht, wt, bt, opts, cdt, blocks):
@@ -183,7 +247,7 @@ def _logsumexps(hs, ws, bs, down, up, ht, wt, bt, opts, cdt, blocks):
             new_m = torch.maximum(m[k], y.amax(1))
             # exp(-inf - -inf) would be NaN: a row whose running max is still -inf has acc 0.
             rescale = torch.where(torch.isinf(m[k]), 0.0, (m[k] - new_m).exp())
-            acc[k] = acc[k] * rescale + (y - new_m[:, None]).exp().sum(1)
+            acc[k] = acc[k] * rescale + (y - new_m[:, None]).exp_().sum(1)
             m[k] = new_m
     return torch.stack([m[0], acc[0].log()], 1), torch.stack([m[1], acc[1].log()], 1)
 
@@ -197,12 +261,11 @@ def _forward(hs, ws, bs, down, up, ht, wt, bt, opts: DivergenceOptions):
         r = slice(start, start + opts.chunk_rows)
         args = (hs[r], ws, bs, None if down is None else down[r], up, ht[r], wt, bt)
         if len(blocks) == 1:  # one pass: the block's logits serve the logsumexps and the terms
-            blk = _block(*args, blocks[0], opts, cdt)
-            lse_s, lse_t = _max_and_log_sum(blk.ys), _max_and_log_sum(blk.yt)
-            parts = [_terms(blk, lse_s, lse_t, opts.beta)]
+            parts = [_values(_block(*args, blocks[0], opts, cdt), None, None, opts.beta)]
+            lse_s, lse_t = parts[0][3:]
         else:
             lse_s, lse_t = _logsumexps(*args, opts, cdt, blocks)
-            parts = [_terms(_block(*args, cols, opts, cdt), lse_s, lse_t, opts.beta) for cols in blocks]
+            parts = [_values(_block(*args, cols, opts, cdt), lse_s, lse_t, opts.beta) for cols in blocks]
         out[0][r] = sum(p[0] for p in parts)
         if opts.beta != 0.0:
             out[1][r] = sum(p[1] for p in parts)
@@ -249,22 +312,21 @@ def _backward(g, hs, ws, bs, down, up, ht, wt, bt, expected_g, lse_s, lse_t, opt
         r = slice(start, start + opts.chunk_rows)
         h_r, down_r = hs[r], None if down is None else down[r]
         for cols in blocks:
-            blk = _block(h_r, ws, bs, down_r, up, ht[r], wt, bt, cols, opts, cdt)
-            _, _, _, pieces = _terms(blk, lse_s[r], lse_t[r], opts.beta)
-            G = _grad_y(pieces, None if expected_g is None else expected_g[r], opts.beta) * g[r, None]
-            if blk.tanh_s is not None:
-                G = G * (1.0 - blk.tanh_s.square())  # the softcap's chain rule
+            G = _grad_u(_block(h_r, ws, bs, down_r, up, ht[r], wt, bt, cols, opts, cdt), lse_s[r], lse_t[r],
+                        None if expected_g is None else expected_g[r], opts.beta)
+            G.mul_(g[r, None])
             G_in = G.to(hs.dtype)  # [n, c]: dL/du, the GEMMs in the input dtype
             if g_h is not None:
-                g_h[r] += wide_mm(G_in, ws[cols], cdt)  # [n, c] @ [c, H]
+                accumulate_mm(g_h[r], G_in, ws[cols])  # [n, c] @ [c, H]
             if g_w is not None:
-                g_w[cols] += wide_mm(G_in.t(), h_r, cdt)  # [c, n] @ [n, H]
+                accumulate_mm(g_w[cols], G_in.t(), h_r)  # [c, n] @ [n, H], no [c, H] temporary
             if g_b is not None:
                 g_b[cols] += G.sum(0)
             if g_down is not None:
                 g_down[r] += opts.low_rank_scale * wide_mm(G_in.to(down.dtype), up[cols], cdt)  # [n, c] @ [c, r]
             if g_up is not None:
                 g_up[cols] += opts.low_rank_scale * wide_mm(G_in.t().to(down.dtype), down_r, cdt)
+            del G, G_in  # before the next block is made
     cast = lambda acc, like: None if acc is None else acc.to(like.dtype)  # noqa: E731
     return cast(g_h, hs), cast(g_w, ws), cast(g_b, bs), cast(g_down, down), cast(g_up, up)
 

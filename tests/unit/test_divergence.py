@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from fusedalign.ops import LowRank
 from fusedalign.ops.divergence_api import divergence_head, generalised_jsd
+from tests.live_memory import LiveBytes
 from tests.unit.test_ops import NumelRecorder
 
 BETAS = [0.0, 0.3, 0.5, 1.0]
@@ -211,6 +212,37 @@ def test_no_tensor_of_half_the_logits_is_alive(vocab_chunk_size):
         divergence_head(t["hidden"], t["weight"], labels, t["teacher_hidden"], t["teacher_weight"], beta=0.5,
                         backend="reference")
     assert ref.max_numel >= scored_nv
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("case", ["plain", "softcap", "wider_teacher"])
+def test_working_memory_is_a_few_blocks(beta, case):
+    """The op's working memory, forward and backward, is a fixed few [rows, V] blocks of the
+    compute dtype: both models' log-probs and one more (the mixture's log for 0 < beta < 1, the
+    student's tanh with a softcap), whatever the number of tokens; the gradients' accumulators and
+    the scored rows' copies come on top. Counted on every tensor the op creates (LiveBytes)."""
+    if beta == 0.0 and case == "wider_teacher":
+        pytest.skip("beta = 0 refuses a teacher vocabulary the student lacks")
+    n, v, rows = 256, 600, 32
+    vt = 700 if case == "wider_teacher" else v
+    softcap = dict(softcap=3.0, teacher_softcap=2.5) if case == "softcap" else {}
+    t, labels = _inputs(n=n, h=16, ht=24, v=v, vt=vt, dtype=torch.float32, lora=True)
+    inputs = [t["hidden"], t["weight"], t["bias"], t["teacher_hidden"], t["teacher_weight"], t["teacher_bias"],
+              t["low_rank"].down, t["low_rank"].up]
+    fwd, bwd = LiveBytes(inputs), LiveBytes(inputs)
+    with fwd:
+        out = divergence_head(t["hidden"], t["weight"], labels, t["teacher_hidden"], t["teacher_weight"], t["bias"],
+                              t["teacher_bias"], low_rank=t["low_rank"], beta=beta, chunk_size=rows, **softcap)
+        loss = out.divergence.sum()
+    with bwd:
+        loss.backward()
+    assert "mm" in fwd.ops and "mm" in bwd.ops  # the recorders saw the GEMMs: the bound is not vacuous
+    block = rows * vt * 4
+    blocks = 3 + (0.0 < beta < 1.0) + bool(softcap)
+    rows_copies = 4 * n * (16 + 24 + 3) + 64 * n  # hidden, teacher hidden, LoRA down of the scored rows; [n] sums
+    grads = sum(4 * x.numel() for x in inputs if x.requires_grad)
+    assert fwd.peak <= (blocks + 0.25) * block + rows_copies, (fwd.peak / block, blocks)
+    assert bwd.peak <= (blocks + 0.25) * block + rows_copies + grads, ((bwd.peak - grads) / block, blocks)
 
 
 def _bf16_errors(device: str, n: int, h: int, ht: int, v: int, beta: float):
