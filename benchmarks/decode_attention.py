@@ -22,7 +22,9 @@ number of cache slots read, one call of:
                            split over programs when the batch is small (CUDA only; its CPU
                            check runs under Triton's interpreter in the tests)
 
-each captured as a CUDA graph and replayed --repeats times between two CUDA events (on the CPU:
+and with --triton_configs the Triton kernel under every launch of a grid (slots a program reads
+per iteration 32/64/128, warps 2/4/8, pipeline stages 2/3/4: `triton bn64 w4 s3`), to choose its
+default from measurements; each captured as a CUDA graph and replayed --repeats times between two CUDA events (on the CPU:
 eager wall clock). Columns: milliseconds a call, what the call must read (keys and values, MB)
 and the rate that makes (TB/s), the largest error against float32 arithmetic, and a call's
 milliseconds times --layers: its share of one decoding step. At 4099510 (one H200, batch 512,
@@ -30,6 +32,7 @@ milliseconds times --layers: its share of one decoding step. At 4099510 (one H20
 
 Examples:
     python benchmarks/decode_attention.py                        # batch 64 256 512, slots 256 512 2048
+    python benchmarks/decode_attention.py --variants triton_grouped --triton_configs --batches 512
     python benchmarks/decode_attention.py --device cpu --tiny    # smoke test
 """
 
@@ -56,6 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", choices=["cuda", "cpu"], default=None)
     p.add_argument("--tiny", action="store_true", help="small shapes (CPU smoke test)")
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    p.add_argument("--triton_configs", action="store_true",
+                   help="also the Triton kernel under each launch of a grid (CUDA only): block of slots, warps, stages")
     p.add_argument("--batches", type=int, nargs="+", default=None, help="default 64 256 512 (--tiny: 4)")
     p.add_argument("--slots", type=int, nargs="+", default=None,
                    help="cache slots read (the context), default 256 512 2048 (--tiny: 16)")
@@ -104,7 +109,7 @@ def reference(query, key, value, visible):
     return scores.softmax(-1) @ v  # [B, h, 1, d]
 
 
-def variants(names, device) -> dict:
+def variants(names, device, triton_configs: bool = False) -> dict:
     """fn(query, key, value, visible, additive) -> [B, h, 1, d] for each variant named; the
     compiled ones are compiled once, with dynamic shapes, for every batch and slot count."""
     import torch
@@ -146,7 +151,23 @@ def variants(names, device) -> dict:
         "flex_compiled": torch.compile(flex, dynamic=True) if device.type == "cuda" else None,
         "triton_grouped": triton_grouped if device.type == "cuda" else None,
     }
-    return {name: table[name] for name in names}
+    chosen = {name: table[name] for name in names}
+    if triton_configs:
+        chosen.update(launches(device))
+    return chosen
+
+
+def launches(device) -> dict:
+    """`triton bnN wW sS`: the Triton kernel launched each way of the grid (None off CUDA)."""
+    import itertools
+
+    from fusedalign.generation.decode_kernel import Launch, grouped_decode
+
+    def launched(config):
+        return lambda q, k, v, visible, additive: grouped_decode(q, k, v, visible, q.shape[-1] ** -0.5, config)
+
+    return {f"triton bn{bn} w{w} s{st}": launched(Launch(bn, w, st)) if device.type == "cuda" else None
+            for bn, w, st in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4))}
 
 
 def main(argv=None) -> int:
@@ -158,7 +179,7 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     rows = []
-    fns = variants(args.variants, device)
+    fns = variants(args.variants, device, args.triton_configs)
     clock = Clock(device, args.repeats)
     title = (f"### one decoding step's attention ({gpu}; {args.heads} query heads, {args.kv_heads} key/value heads "
              f"of {args.head_dim}, {str(dtype).removeprefix('torch.')}; "

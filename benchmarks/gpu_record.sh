@@ -19,8 +19,9 @@
 # with gradient checkpointing, then with its layers' inputs offloaded to host memory, ours padded
 # and packed against TRL); PARTS="triton_decode triton_generation" (about 4 minutes: the decoding
 # step with the Triton attention kernel, by part, and generation with it, alone and with the step
-# compiled and the draw inside the head); PARTS=fused_decode (about 2 minutes: the step at batch 512
-# with the Triton kernel, compiled, with and without the draw inside the head).
+# compiled and the draw inside the head); PARTS="fused_decode triton_configs" (about 4 minutes: the
+# step at batch 512 with the Triton kernel, compiled, with and without the draw inside the head;
+# the kernel alone under each launch of a grid, to choose its default).
 set -u
 OUT=${OUT:-$PWD/bench-out}
 MODEL=${MODEL:-/tmp/bench-model}
@@ -94,6 +95,8 @@ part triton_decode 60 python3 benchmarks/decode_profile.py $X --batches $BATCHES
     $TRITON --model_dir "$MODEL" --markdown_out "$OUT/triton_decode.md"
 part fused_decode 150 python3 benchmarks/decode_profile.py $X --batches $BATCH --repeats 5 --compile --fused_sampling \
     $TRITON --model_dir "$MODEL" --markdown_out "$OUT/fused_decode.md"
+part triton_configs 150 python3 benchmarks/decode_attention.py $X --repeats 20 --variants grouped_sdpa triton_grouped \
+    --triton_configs --slots 256 512 --markdown_out "$OUT/triton_configs.md"
 part triton_generation 200 python3 benchmarks/generation.py $X --batches $BATCH --repeats 1 \
     --methods ours ours_triton ours_compiled_triton_fused --model_dir "$MODEL" --log_dir "$OUT/triton_generation" \
     --markdown_out "$OUT/triton_generation.md"

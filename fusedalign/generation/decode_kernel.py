@@ -26,6 +26,7 @@ TRITON_INTERPRET=1 the same kernel runs on CPU tensors (tests).
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -33,6 +34,19 @@ import triton.language as tl
 from torch import Tensor
 
 BLOCK_N = 64  # slots a program reads per iteration
+
+
+class Launch(NamedTuple):
+    """How the kernel is launched: slots a program reads per iteration, warps a program, pipeline
+    stages (None: Triton's defaults). `DEFAULT` is what `decode_attention` uses;
+    benchmarks/decode_attention.py --triton_configs times others."""
+
+    block_n: int = BLOCK_N
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+
+DEFAULT = Launch()
 FILL_PROGRAMS = 512  # programs to fill off CUDA (the interpreter): split the slots until there are this many
 LOG2E = 1.4426950408889634
 
@@ -94,10 +108,10 @@ def _multiprocessors(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def splits_for(rows: int, kv_heads: int, slots: int, programs: int) -> int:
+def splits_for(rows: int, kv_heads: int, slots: int, programs: int, block_n: int = BLOCK_N) -> int:
     """How many shares of the slots each (row, key/value head) is cut into: enough programs to fill
-    `programs`, never a share under one block of slots."""
-    most = max(1, triton.cdiv(slots, BLOCK_N))
+    `programs`, never a share under one block of `block_n` slots."""
+    most = max(1, triton.cdiv(slots, block_n))
     return max(1, min(most, triton.cdiv(programs, rows * kv_heads)))
 
 
@@ -114,13 +128,19 @@ def decode_attention(query: Tensor, key: Tensor, value: Tensor, visible: Tensor 
     Returns:
         [B, h, 1, d] in the query's dtype.
     """
+    return grouped_decode(query, key, value, visible, scale, DEFAULT)
+
+
+def grouped_decode(query: Tensor, key: Tensor, value: Tensor, visible: Tensor | None, scale: float,
+                   launch: Launch) -> Tensor:
+    """`decode_attention` launched as `launch` says (a plain function: benchmarks time launches)."""
     B, h, _, d = query.shape
     g, S = key.shape[1], key.shape[2]
     group = h // g
     block_g = max(16, triton.next_power_of_2(group))
     q = query.reshape(B, g, group, d)
-    splits = splits_for(B, g, S, _programs_wanted(query.device))
-    share = triton.cdiv(triton.cdiv(S, splits), BLOCK_N) * BLOCK_N
+    splits = splits_for(B, g, S, _programs_wanted(query.device), launch.block_n)
+    share = triton.cdiv(triton.cdiv(S, splits), launch.block_n) * launch.block_n
     acc = torch.empty(B * g, splits, block_g, d, dtype=torch.float32, device=query.device)
     top = torch.empty(B * g, splits, block_g, dtype=torch.float32, device=query.device)
     total = torch.empty_like(top)
@@ -131,8 +151,9 @@ def decode_attention(query: Tensor, key: Tensor, value: Tensor, visible: Tensor 
         q.stride(0), q.stride(1), q.stride(2), key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2), *mask_strides,
         g, group, S, share, scale * LOG2E,
-        HAS_MASK=visible is not None, BLOCK_G=block_g, BLOCK_N=BLOCK_N, D=d,
-        PRECISION="ieee" if query.dtype == torch.float32 else "tf32")  # float32 models: no TF32 rounding
+        HAS_MASK=visible is not None, BLOCK_G=block_g, BLOCK_N=launch.block_n, D=d,
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",  # float32 models: no TF32 rounding
+        **{k: v for k, v in (("num_warps", launch.num_warps), ("num_stages", launch.num_stages)) if v is not None})
     if splits == 1:
         out = acc[:, 0] / total[:, 0, :, None]
     else:

@@ -365,6 +365,21 @@ def test_decode_profile_times_the_step_with_the_draw_in_the_head_under_capture_r
         decode_profile.main(["--device", "cpu", "--tiny", "--repeats", "1", "--fused_sampling", "--top_k", "5"])
 
 
+def test_decode_attention_triton_configs_add_one_row_per_launch_of_the_grid(tmp_path):
+    """--triton_configs adds the kernel under each of the 27 launches (block of slots x warps x
+    stages), each row named by its launch; off CUDA each says why it did not run."""
+    from benchmarks import decode_attention
+
+    out = tmp_path / "configs.md"
+    assert decode_attention.main(["--device", "cpu", "--tiny", "--repeats", "1", "--batches", "3",
+                                  "--variants", "grouped_sdpa", "--triton_configs", "--markdown_out", str(out)]) == 0
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| 3 |")]
+    names = [row.split(" | ")[2] for row in rows]
+    assert len(rows) == 1 + 27 and len(set(names)) == 28
+    assert "triton bn32 w2 s2" in names and "triton bn128 w8 s4" in names
+    assert all("RuntimeError" in row for row in rows[1:]) and "RuntimeError" not in rows[0]
+
+
 def test_decode_attention_cpu_smoke_times_every_variant_and_checks_it_against_float32(tmp_path, monkeypatch):
     """Each variant's row holds its time and its error against float32 arithmetic, which is
     small for every variant the CPU runs; flex attention's row says why it did not run."""

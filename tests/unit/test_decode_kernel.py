@@ -59,6 +59,7 @@ def test_splits_fill_the_programs_and_never_cut_below_a_block():
     assert splits_for(8, 2, 4096, 528) == 33  # 16 x 33 >= 528
     assert splits_for(8, 2, 2048, 528) == 32  # capped at 32 blocks of slots
     assert splits_for(8, 2, BLOCK_N - 1, 528) == 1
+    assert splits_for(8, 2, 2048, 528, block_n=128) == 16  # capped at 16 blocks of 128
 
 
 @pytest.mark.skipif(CUDA, reason="CUDA present: the kernel is tested compiled, below")
@@ -85,6 +86,17 @@ def interpreter_checks():
     wide_k, wide_v = (torch.cat([t, torch.full_like(t, float("nan"))], 2) for t in (key, value))
     got = decode_attention(query, wide_k[:, :, :200], wide_v[:, :, :200], visible, 0.125)
     torch.testing.assert_close(got.double(), by_hand(query, key, value, visible, 0.125), rtol=1e-5, atol=1e-5)
+    # Other launches (benchmarks/decode_attention.py --triton_configs): other blocks of slots, so
+    # other shares and a last block cut short, the same attention.
+    from fusedalign.generation.decode_kernel import Launch, grouped_decode
+
+    for launch in (Launch(32, 2, 3), Launch(128, 8, 4)):
+        for name in ("several_shares", "eight_a_group"):
+            case = CASES[name]
+            query, key, value, visible = inputs(*case)
+            got = grouped_decode(query, key, value, visible, case[3] ** -0.5, launch)
+            torch.testing.assert_close(got.double(), by_hand(query, key, value, visible, case[3] ** -0.5),
+                                       rtol=1e-5, atol=1e-5, msg=lambda m, n=name, c=launch: f"{n} {c}: {m}")
     for name, case in CASES.items():
         query, key, value, visible = inputs(*case, dtype=torch.bfloat16)
         scale = case[3] ** -0.5
