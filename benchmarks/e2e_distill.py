@@ -148,8 +148,12 @@ def table(args, results: dict) -> str:
     title = (f"### On-policy distillation, {distill.prompts_per_step(args)} prompts x 1 completion of <= "
              f"{args.new_tokens} tokens a step ({args.prompt_length}-token prompts, completion lengths "
              f"{args.completion_lengths}, micro-batch {args.per_device_train_batch_size} x "
-             f"{args.gradient_accumulation_steps}, beta {args.beta:g}, {args.timed_steps} timed steps after "
-             f"{args.warmup_steps})")
+             f"{args.gradient_accumulation_steps}, beta {args.beta:g}, "
+             f"{'gradient checkpointing' if args.gradient_checkpointing else 'no gradient checkpointing'}"
+             + (", ours_padding_free in rows of " + (f"at most {args.max_tokens_per_batch} tokens"
+                                                     if args.max_tokens_per_batch else "one sequence")
+                if "ours_padding_free" in args.configs and args.max_tokens_per_batch is not None else "")
+             + f", {args.timed_steps} timed steps after {args.warmup_steps})")
     return title + "\n\n" + markdown(columns, rows, numeric=set(range(1, len(columns))))
 
 

@@ -10,7 +10,8 @@
 # TINY=1 runs the same parts on the CPU with the tiny model (a check that each one starts).
 # PARTS names the parts to run (default: decode grpo generation dpo_flex, about 9 minutes
 # together); the others are commands of their own: PARTS=distill (with its teacher, about 8
-# minutes: ours padded and padding-free under a 4,096-token budget against TRL), PARTS="e2e_dpo real_lengths grpo_real" (about 9 minutes), PARTS=grpo_longest (at most 9
+# minutes: ours padded and padding-free under a 4,096-token budget against TRL; PARTS=distill_checkpointing
+# the same with gradient checkpointing in all three, TRL's default), PARTS="e2e_dpo real_lengths grpo_real" (about 9 minutes), PARTS=grpo_longest (at most 9
 # minutes: the longest completion ours (one completion a row) and TRL train at 8 x 8),
 # PARTS="compiled_decode attention compiled_generation compiled_grpo" (at most 9 min 20 s:
 # StaticDecode's step compiled by inductor against the uncompiled one, by part, in generation
@@ -40,7 +41,7 @@ mkdir -p "$OUT"
 
 wanted() {  # wanted NAME: PARTS names it; the model always; the teacher with the distillation part
     case " $PARTS " in *" $1 "*) return 0;; esac
-    [ "$1" = model ] || { [ "$1" = teacher ] && [[ " $PARTS " == *" distill "* ]]; }
+    [ "$1" = model ] || { [ "$1" = teacher ] && [[ " $PARTS " == *" distill"* ]]; }
 }
 
 part() {  # part NAME SECONDS COMMAND...
@@ -102,7 +103,11 @@ part triton_generation 200 python3 benchmarks/generation.py $X --batches $BATCH 
     --markdown_out "$OUT/triton_generation.md"
 part teacher 90 python3 -c "from benchmarks.builders.model import build_model as b; print(b('$TEACHER', $SHAPE, seed=1, shape='1.5b'))"
 part distill 480 python3 benchmarks/e2e_distill.py $X --configs ours ours_padding_free trl \
-    --max_tokens_per_batch $DISTILL_BUDGET --model_dir "$MODEL" --teacher_dir "$TEACHER" --log_dir "$OUT/distill" --markdown_out "$OUT/distill.md"
+    --max_tokens_per_batch $DISTILL_BUDGET --model_dir "$MODEL" --teacher_dir "$TEACHER" \
+    --log_dir "$OUT/distill" --markdown_out "$OUT/distill.md"
+part distill_checkpointing 480 python3 benchmarks/e2e_distill.py $X --configs ours ours_padding_free trl \
+    --gradient_checkpointing --max_tokens_per_batch $DISTILL_BUDGET --model_dir "$MODEL" --teacher_dir "$TEACHER" \
+    --log_dir "$OUT/distill_checkpointing" --markdown_out "$OUT/distill_checkpointing.md"
 rm -rf "$OUT"/*/out-* "$MODEL" "$TEACHER"
 cat "$OUT/machine.txt" "$OUT/summary.txt"
 for f in $PARTS; do echo; cat "$OUT/$f.md" 2>/dev/null || tail -5 "$OUT/$f.log"; done

@@ -37,6 +37,12 @@ def test_table_sets_speed_and_memory_against_trl():
     assert rows[1].split(" | ")[1:] == ["7.00", "2.00", "75", "25", "300", "10.0", "3.50x", "0.25x |"]
     assert "OOM: CUDA out of memory" in rows[2]
     assert args.loss_atol == 2e-2 and args.new_tokens == 16 and args.fit is not None
+    assert ", no gradient checkpointing," in e2e_distill.table(args, results).splitlines()[0]
+    packed = e2e_distill.parse_args(["--device", "cpu", "--tiny", "--gradient_checkpointing",
+                                     "--max_tokens_per_batch", "0"])
+    packed.configs = ["trl", "ours_padding_free"]
+    title = e2e_distill.table(packed, results).splitlines()[0]
+    assert ", gradient checkpointing, ours_padding_free in rows of one sequence," in title
 
 
 @pytest.mark.slow
