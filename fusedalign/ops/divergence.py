@@ -139,8 +139,9 @@ def _block(hs, ws, bs, down, up, ht, wt, bt, cols: slice, opts: DivergenceOption
 # one the block no longer needs, so that at most three are alive at once for beta 0 or 1 (the
 # student's and the teacher's log-probs and one more), four for the mixture, one more with a
 # softcap (the student's tanh), forward and backward (tests/unit/test_divergence.py holds the
-# bound; before 2026-12-05 it was 12 to 15). Products with the student's p where the student has no column (p = 0, s = -inf) are
-# NaN in IEEE arithmetic and 0 in the math: those columns are a contiguous tail, zeroed.
+# bound; before 2026-12-05 it was 12 to 15). Products with the student's p where the student
+# has no column (p = 0, s = -inf) are NaN in IEEE arithmetic and 0 in the math: those columns
+# are a contiguous tail, zeroed.
 
 
 def _log_probs(ys: Tensor, yt: Tensor, lse_s: Tensor, lse_t: Tensor) -> tuple[Tensor, Tensor]:
