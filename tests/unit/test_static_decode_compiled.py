@@ -141,3 +141,24 @@ def test_a_compiled_step_with_the_sampling_head_decodes_as_the_eager_loop(fresh_
     assert decode.last_call["compiled"] is True and decode.last_call["fused_sampling"] is True
     assert got.completion_ids == want.completion_ids
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_a_compiled_step_with_the_sampling_head_follows_compaction_and_the_penalty(monkeypatch, fresh_dynamo):
+    """With the head installed around the call, its `seen` (the repetition penalty's tokens) is
+    rebound at each compaction: the compiled step reads the live rows' tokens, and the greedy
+    tokens stay those of the uncompiled loop without compaction."""
+    model = load_model("builtin:tiny-qwen2", attn_implementation="sdpa").eval()
+    tok = load_tokenizer("builtin:tiny-qwen2")
+    prompts, keys = _prompts(), _keys(len(PROMPT_LENGTHS))
+    kw = dict(max_new_tokens=14, pad_token_id=tok.pad_token_id, do_sample=False, repetition_penalty=1.5)
+    first = StaticDecode(eos_token_id=tok.eos_token_id, cuda_graphs=False, **kw).generate(
+        model, prompts, keys).completion_ids
+    eos = first[2][1]  # a token one row draws early: the batch is compacted
+    want = StaticDecode(eos_token_id=eos, cuda_graphs=False, compact_below=0, **kw).generate(model, prompts, keys)
+    stand_in_graphs(monkeypatch, rules=False)
+    decode = StaticDecode(eos_token_id=eos, fused_sampling=True, compile_step=True, window_slots=4,
+                          compact_below=0.9, check_every=2, **kw)
+    got = decode.generate(model, prompts, keys)
+    assert decode.last_call["fused_sampling"] is True and decode.last_call["compiled"] is True
+    assert len(decode.last_call["batch_sizes"]) >= 2, decode.last_call  # compacted
+    assert got.completion_ids == want.completion_ids
