@@ -31,6 +31,8 @@ class GRPORun:
     compile_layers: bool = False       # ours: each decoder layer torch.compile'd (element-wise ops recomputed)
     padding_free: bool = False         # ours: packed rows of whole completions up to --max_tokens_per_batch
     share_prompt: bool = False         # ours, with padding_free: each group's prompt once
+    fused_sampling: bool = False       # ours (static): the draw inside the head's forward
+    decode_kernel: str = "sdpa"        # ours (static): the decoding step's grouped attention
     about: str = ""
 
 
@@ -49,6 +51,10 @@ RUNS = {r.name: r for r in (
     GRPORun("ours_generate_compiled", "ours", compile_generation=True, generation_backend="generate",
             about="ours with generation_backend='generate' and compile_generation=True: generate's static cache "
                   "and compiled decoding"),
+    GRPORun("ours_fast", "ours", compile_generation=True, fused_sampling=True, decode_kernel="triton",
+            generation_backend="static",
+            about="ours with every decoding lever: the step compiled, the draw inside the head (fused_sampling), "
+                  "the Triton attention kernel (decode_kernel='triton'); CUDA only"),
     GRPORun("ours_padding_free", "ours", padding_free=True,
             about="ours with padding_free=True: each step's completions in packed rows up to the token budget"),
     GRPORun("ours_shared_prompt", "ours", padding_free=True, share_prompt=True,
@@ -75,6 +81,8 @@ def availability(device: str) -> dict[str, str | None]:
         ours_reason = f"fusedalign.trainers.grpo does not import yet ({e})"
     for run in RUNS.values():
         reasons[run.name] = trl_reason if run.trainer == "trl" else ours_reason
+        if run.decode_kernel == "triton" and device != "cuda" and not reasons[run.name]:
+            reasons[run.name] = "CUDA only (the Triton decode kernel)"
         if run.continuous_batching and not reasons[run.name]:
             from transformers import GenerationMixin
 
@@ -207,7 +215,8 @@ def build_ours(run, s, output_dir, prompts, tokenizer, callback, timers, reward)
         if s.max_tokens_per_batch is not None:  # 0: one completion's row, the smallest budget that trains
             packing["max_tokens_per_batch"] = s.max_tokens_per_batch or s.prompt_length + s.new_tokens
     args = GRPOConfig(**grpo_args(s, output_dir), compile_generation=run.compile_generation,
-                      generation_backend=run.generation_backend, compile_layers=run.compile_layers, **packing)
+                      generation_backend=run.generation_backend, compile_layers=run.compile_layers,
+                      fused_sampling=run.fused_sampling, decode_kernel=run.decode_kernel, **packing)
     index = list(range(len(prompts)))
     rows = Dataset.from_dict({"prompt": [str(i) for i in index], "prompt_ids": prompts, "row_index": index})
     trainer = BenchGRPOTrainer(model=s.model_dir, reward_funcs=[reward], args=args, train_dataset=rows,

@@ -24,6 +24,7 @@ from fusedalign.losses.grpo_advantages import AGGREGATIONS, SCALE_REWARDS
 from fusedalign.losses.grpo_policy import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, GRPOOptions
 
 GENERATION_BACKENDS = ("auto", "generate", "static")
+DECODE_KERNELS = ("sdpa", "triton")  # StaticDecode's decode_kernel
 
 
 @dataclass
@@ -99,6 +100,13 @@ class GRPOConfig(FusedAlignConfig):
                   "loop on a static KV cache, each token one CUDA graph replay on a GPU, the same sampling "
                   "(falls back to generate for sliding-window models or other than eager/sdpa attention); "
                   "auto: static on a CUDA device unless generate-only options are set, else generate."})
+    fused_sampling: bool = field(
+        default=False, metadata={"help": "static only (not in TRL): draw each token inside the output head's forward, "
+                                 "a slice of the vocabulary at a time, instead of from the [B, V] logits: the same "
+                                 "tokens; with top-k, top-p or min-p the draw stays on the logits."})
+    decode_kernel: str = field(
+        default="sdpa", metadata={"help": "static only (not in TRL): what computes a decoding step's grouped attention: "
+                                  "sdpa (cuDNN's, the default) or triton (fusedalign's kernel, CUDA)."})
     keyed_sampling: bool = field(
         default=False, metadata={"help": "Draw tokens by key (seed, step, row, generation, position): the same "
                                  "completions on any split over ranks and batches."})
@@ -163,6 +171,15 @@ class GRPOConfig(FusedAlignConfig):
         if self.replay_completions is not None and self.keyed_sampling:
             raise ValueError("--replay_completions replays recorded completions; it cannot be combined with "
                              "--keyed_sampling (which samples new ones)")
+        check_choice("decode_kernel", self.decode_kernel, DECODE_KERNELS)
+        static_only = [flag for flag, on in (("fused_sampling", self.fused_sampling),
+                                             ("decode_kernel", self.decode_kernel != "sdpa")) if on]
+        if static_only and self.resolved_generation_backend == "generate":
+            why = ("--generation_backend generate" if self.generation_backend == "generate"
+                   else "--generation_backend auto, which picks generate here (no CUDA device, or a generate-only "
+                        "option)")
+            raise ValueError(f"--{static_only[0]} is an option of the static decoding loop; {why} does not use it: "
+                             "pass --generation_backend static, or drop the flag.")
         if self.compile_generation and self.resolved_generation_backend == "generate":
             check_compile_generation_supported()
 

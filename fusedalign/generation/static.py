@@ -153,7 +153,9 @@ class StaticDecode:
                    pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
                    temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                    repetition_penalty=args.repetition_penalty, sampler=sampler,
-                   compile_step=getattr(args, "compile_generation", False))
+                   compile_step=getattr(args, "compile_generation", False),
+                   fused_sampling=getattr(args, "fused_sampling", False),
+                   decode_kernel=getattr(args, "decode_kernel", "sdpa"))
 
     def unsupported(self, model: nn.Module) -> str | None:
         """Why this loop cannot decode `model` (None: it can)."""

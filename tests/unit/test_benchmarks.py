@@ -438,3 +438,29 @@ def test_grpo_checkpoint_offload_reaches_both_trainers_arguments_and_is_refused_
     plain = e2e_grpo.parse_args(["--device", "cpu", "--tiny"])
     assert "gradient_checkpointing_kwargs" not in grpo.grpo_args(plain, "/tmp/x")
     assert grpo.checkpointing_words(plain) == "gradient checkpointing off"
+
+
+def test_grpo_ours_fast_gives_every_decoding_lever_to_the_loop(tmp_path):
+    """`ours_fast` builds our trainer with the compiled step, the draw in the head and the Triton
+    kernel in its StaticDecode; off CUDA the configuration says why it cannot run (the kernel)."""
+    import dataclasses
+
+    from benchmarks import e2e_grpo
+    from benchmarks.builders import grpo
+    from benchmarks.builders.model import build_model
+    from transformers import TrainerCallback
+
+    from fusedalign.generation import StaticDecode
+    from fusedalign.models import load_tokenizer
+
+    assert grpo.availability("cpu")["ours_fast"] == "CUDA only (the Triton decode kernel)"
+    build_model(str(tmp_path / "m"), tiny=True, dtype="fp32", seed=0)
+    args = e2e_grpo.parse_args(["--device", "cpu", "--tiny", "--model_dir", str(tmp_path / "m")])
+    args.draw = None
+    # The kernel needs CUDA; the rest of the configuration builds here as it would there.
+    run = dataclasses.replace(grpo.RUNS["ours_fast"], decode_kernel="sdpa")
+    trainer = grpo.build_ours(run, args, str(tmp_path / "out"), [[5, 6, 7]] * 16,
+                              load_tokenizer("builtin:tiny-qwen2"), TrainerCallback(), None, lambda **kw: [0.0])
+    decode = trainer.generator
+    assert isinstance(decode, StaticDecode) and decode.fused_sampling is True and decode.compile_step is True
+    assert grpo.RUNS["ours_fast"].decode_kernel == "triton" and grpo.RUNS["ours_fast"].compile_generation
