@@ -153,13 +153,12 @@ def profile_batch(args, model, batch: int, clock: Clock) -> dict[str, float]:
 
     device = next(model.parameters()).device
     vocab = model.config.vocab_size
-    if args.fused_sampling and (why := sampling.usable(model, {"top_k": args.top_k, "top_p": args.top_p,
-                                                               "min_p": args.min_p}, None)):
-        raise SystemExit(f"decode_profile.py: --fused_sampling: the sampling head cannot draw here: {why}")
-    post = post_processing_of(model) if args.fused_sampling else None
     decode = StaticDecode(max_new_tokens=args.new_tokens, eos_token_id=vocab - 1, pad_token_id=0,
                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                           repetition_penalty=args.repetition_penalty)
+    if args.fused_sampling and (why := sampling.usable(model, decode.processing, None)):
+        raise SystemExit(f"decode_profile.py: --fused_sampling: the sampling head cannot draw here: {why}")
+    post = post_processing_of(model) if args.fused_sampling else None
     context = args.prompt_length + args.new_tokens // 2
     gen = torch.Generator().manual_seed(args.seed + batch)
     ids = torch.randint(1, vocab, (batch, context), generator=gen).to(device)

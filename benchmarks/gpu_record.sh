@@ -10,8 +10,9 @@
 # TINY=1 runs the same parts on the CPU with the tiny model (a check that each one starts).
 # PARTS names the parts to run (default: decode grpo generation dpo_flex, about 9 minutes
 # together); the others are commands of their own: PARTS=distill (with its teacher, about 8
-# minutes: ours padded and padding-free under a 4,096-token budget against TRL; PARTS=distill_checkpointing
-# the same with gradient checkpointing in all three, TRL's default), PARTS="e2e_dpo real_lengths grpo_real" (about 9 minutes), PARTS=grpo_longest (at most 9
+# minutes: ours padded and padding-free under a 4,096-token budget against TRL),
+# PARTS=distill_checkpointing (the same with gradient checkpointing in all three, TRL's default),
+# PARTS="e2e_dpo real_lengths grpo_real" (about 9 minutes), PARTS=grpo_longest (at most 9
 # minutes: the longest completion ours (one completion a row) and TRL train at 8 x 8),
 # PARTS="compiled_decode attention compiled_generation compiled_grpo" (at most 9 min 20 s:
 # StaticDecode's step compiled by inductor against the uncompiled one, by part, in generation

@@ -117,6 +117,7 @@ def build_trl(s, output_dir, prompts, tokenizer, callback, timers):
 def build_ours(run, s, output_dir, prompts, tokenizer, callback, timers):
     from datasets import Dataset
 
+    from benchmarks.builders.grpo import packing_args
     from fusedalign.configs import DistillationConfig
     from fusedalign.generation import GenerationOutput
     from fusedalign.trainers import distillation
@@ -126,11 +127,7 @@ def build_ours(run, s, output_dir, prompts, tokenizer, callback, timers):
         # The columns its prompt tokenisation makes are already there: prompt_ids, row_index.
         return dataset, None if dataset is None else Split(conversational=False)
 
-    packing = {}
-    if run.padding_free:
-        packing = dict(padding_free=True)
-        if s.max_tokens_per_batch is not None:  # 0: one sequence's row, the smallest budget that trains
-            packing["max_tokens_per_batch"] = s.max_tokens_per_batch or s.prompt_length + s.new_tokens
+    packing = packing_args(s) if run.padding_free else {}
     args = DistillationConfig(**distill_args(s, output_dir), generation_backend=run.generation_backend, **packing)
     index = list(range(len(prompts)))
     rows = Dataset.from_dict({"prompt": [str(i) for i in index], "prompt_ids": prompts, "row_index": index})

@@ -196,6 +196,16 @@ def build_trl(run, s, output_dir, prompts, tokenizer, callback, timers, reward):
                                train_dataset=dataset, processing_class=tokenizer, callbacks=[callback])
 
 
+def packing_args(s, **flags) -> dict:
+    """Ours' packed-row arguments (GRPO's and distillation's): padding_free, `flags`, and the
+    --max_tokens_per_batch budget when given (0: one prompt + completion's row, the smallest
+    budget that trains)."""
+    packing = dict(padding_free=True, **flags)
+    if s.max_tokens_per_batch is not None:
+        packing["max_tokens_per_batch"] = s.max_tokens_per_batch or s.prompt_length + s.new_tokens
+    return packing
+
+
 def build_ours(run, s, output_dir, prompts, tokenizer, callback, timers, reward):
     from datasets import Dataset
 
@@ -209,11 +219,7 @@ def build_ours(run, s, output_dir, prompts, tokenizer, callback, timers, reward)
             # The columns its prompt tokenisation makes are already there: prompt_ids, row_index.
             return dataset, None if dataset is None else Split(conversational=False)
 
-    packing = {}
-    if run.padding_free:
-        packing = dict(padding_free=True, share_prompt=run.share_prompt)
-        if s.max_tokens_per_batch is not None:  # 0: one completion's row, the smallest budget that trains
-            packing["max_tokens_per_batch"] = s.max_tokens_per_batch or s.prompt_length + s.new_tokens
+    packing = packing_args(s, share_prompt=run.share_prompt) if run.padding_free else {}
     args = GRPOConfig(**grpo_args(s, output_dir), compile_generation=run.compile_generation,
                       generation_backend=run.generation_backend, compile_layers=run.compile_layers,
                       fused_sampling=run.fused_sampling, decode_kernel=run.decode_kernel, **packing)

@@ -20,11 +20,11 @@ import torch
 from fusedalign.configs.common import FusedAlignConfig, check_choice
 from fusedalign.configs.packed import MAX_TOKENS_HELP, PADDING_FREE_HELP, check_packed_batching
 from fusedalign.distributed import check_compile_generation_supported
+from fusedalign.generation.decode_attention import KERNELS
 from fusedalign.losses.grpo_advantages import AGGREGATIONS, SCALE_REWARDS
 from fusedalign.losses.grpo_policy import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, GRPOOptions
 
 GENERATION_BACKENDS = ("auto", "generate", "static")
-DECODE_KERNELS = ("sdpa", "triton")  # StaticDecode's decode_kernel
 
 
 @dataclass
@@ -171,7 +171,7 @@ class GRPOConfig(FusedAlignConfig):
         if self.replay_completions is not None and self.keyed_sampling:
             raise ValueError("--replay_completions replays recorded completions; it cannot be combined with "
                              "--keyed_sampling (which samples new ones)")
-        check_choice("decode_kernel", self.decode_kernel, DECODE_KERNELS)
+        check_choice("decode_kernel", self.decode_kernel, tuple(KERNELS))
         static_only = [flag for flag, on in (("fused_sampling", self.fused_sampling),
                                              ("decode_kernel", self.decode_kernel != "sdpa")) if on]
         if static_only and self.resolved_generation_backend == "generate":

@@ -34,6 +34,8 @@ import triton.language as tl
 from torch import Tensor
 
 BLOCK_N = 64  # slots a program reads per iteration
+FILL_PROGRAMS = 512  # programs to fill off CUDA (the interpreter): split the slots until there are this many
+LOG2E = 1.4426950408889634
 
 
 class Launch(NamedTuple):
@@ -47,8 +49,6 @@ class Launch(NamedTuple):
 
 
 DEFAULT = Launch()
-FILL_PROGRAMS = 512  # programs to fill off CUDA (the interpreter): split the slots until there are this many
-LOG2E = 1.4426950408889634
 
 
 @triton.jit
