@@ -9,9 +9,10 @@
 # until then is in its .md (tables are rewritten after each configuration) and its .log.
 # TINY=1 runs the same parts on the CPU with the tiny model (a check that each one starts).
 # PARTS names the parts to run (default: decode grpo generation dpo_flex, about 9 minutes
-# together); the others are commands of their own: PARTS=distill (with its teacher, about 8
-# minutes: ours padded and padding-free under a 4,096-token budget against TRL),
-# PARTS=distill_checkpointing (the same with gradient checkpointing in all three, TRL's default),
+# together); the others are commands of their own: PARTS=distill (with its teacher, about 7
+# minutes: ours padding-free under a 4,096-token budget against TRL), PARTS=distill_checkpointing
+# (the same with gradient checkpointing in both, TRL's default), PARTS=distill_padded (about 3
+# minutes: ours in its default, padded layout, alone; the three in one part ran past ten minutes),
 # PARTS="e2e_dpo real_lengths grpo_real" (about 9 minutes), PARTS=grpo_longest (at most 9
 # minutes: the longest completion ours (one completion a row) and TRL train at 8 x 8),
 # PARTS="compiled_decode attention compiled_generation compiled_grpo" (at most 9 min 20 s:
@@ -21,7 +22,7 @@
 # with gradient checkpointing, then with its layers' inputs offloaded to host memory, ours padded
 # and packed against TRL); PARTS="triton_decode triton_generation" (about 4 minutes: the decoding
 # step with the Triton attention kernel, by part, and generation with it, alone and with the step
-# compiled and the draw inside the head); PARTS="fused_decode triton_configs" (about 4 minutes: the
+# compiled and the draw inside the head); PARTS="fused_decode triton_configs" (about 8 minutes: the
 # step at batch 512 with the Triton kernel, compiled, with and without the draw inside the head;
 # the kernel alone under each launch of a grid, to choose its default); PARTS=fast_grpo (about 4
 # minutes: GRPO at 64 x 8 x 256 with every decoding lever, ours_fast, against ours and TRL).
@@ -34,7 +35,7 @@ if [ "${TINY:-0}" = 1 ]; then X="--device cpu --tiny"; SHAPE="tiny=True, dtype='
      GRPO_BUDGET=64; DISTILL_BUDGET=0; LONGEST="--search_step 8 --search_max 32"
      OFFLOAD="--gradient_checkpointing"  # offload pins host memory, which a CPU-only machine cannot
      TRITON=""  # the Triton kernel runs on CUDA only
-else X=""; SHAPE="tiny=False, dtype='bf16'"; BATCH=512; BATCHES="64 256 512"; GRPO_BUDGET=8192; DISTILL_BUDGET=4096
+else X=""; SHAPE="tiny=False, dtype='bf16', device='cuda'"; BATCH=512; BATCHES="64 256 512"; GRPO_BUDGET=8192; DISTILL_BUDGET=4096
      OFFLOAD="--checkpoint_offload"; TRITON="--decode_kernel triton"
      LONGEST="--search_step 4096 --search_max 65536"
      GRPO_REAL="--prompts 8 --completion_lengths lognormal:300:1500 --new_tokens 2048 --per_device_train_batch_size 8"; fi
@@ -99,7 +100,7 @@ part grpo_offload 240 python3 benchmarks/e2e_grpo.py $X --configs ours ours_shar
     --model_dir "$MODEL" --log_dir "$OUT/grpo_offload" --markdown_out "$OUT/grpo_offload.md"
 part triton_decode 60 python3 benchmarks/decode_profile.py $X --batches $BATCHES --repeats 5 --kernels 8 \
     $TRITON --model_dir "$MODEL" --markdown_out "$OUT/triton_decode.md"
-part fused_decode 150 python3 benchmarks/decode_profile.py $X --batches $BATCH --repeats 5 --compile --fused_sampling \
+part fused_decode 330 python3 benchmarks/decode_profile.py $X --batches $BATCH --repeats 5 --compile --fused_sampling \
     $TRITON --model_dir "$MODEL" --markdown_out "$OUT/fused_decode.md"
 part triton_configs 150 python3 benchmarks/decode_attention.py $X --repeats 20 --variants grouped_sdpa triton_grouped \
     --triton_configs --slots 256 512 --markdown_out "$OUT/triton_configs.md"
@@ -107,12 +108,14 @@ part triton_generation 200 python3 benchmarks/generation.py $X --batches $BATCH 
     --methods ours ours_triton ours_compiled_triton_fused --model_dir "$MODEL" --log_dir "$OUT/triton_generation" \
     --markdown_out "$OUT/triton_generation.md"
 part teacher 90 python3 -c "from benchmarks.builders.model import build_model as b; print(b('$TEACHER', $SHAPE, seed=1, shape='1.5b'))"
-part distill 480 python3 benchmarks/e2e_distill.py $X --configs ours ours_padding_free trl \
+part distill 480 python3 benchmarks/e2e_distill.py $X --configs ours_padding_free trl \
     --max_tokens_per_batch $DISTILL_BUDGET --model_dir "$MODEL" --teacher_dir "$TEACHER" \
     --log_dir "$OUT/distill" --markdown_out "$OUT/distill.md"
-part distill_checkpointing 480 python3 benchmarks/e2e_distill.py $X --configs ours ours_padding_free trl \
+part distill_checkpointing 480 python3 benchmarks/e2e_distill.py $X --configs ours_padding_free trl \
     --gradient_checkpointing --max_tokens_per_batch $DISTILL_BUDGET --model_dir "$MODEL" --teacher_dir "$TEACHER" \
     --log_dir "$OUT/distill_checkpointing" --markdown_out "$OUT/distill_checkpointing.md"
+part distill_padded 200 python3 benchmarks/e2e_distill.py $X --configs ours \
+    --model_dir "$MODEL" --teacher_dir "$TEACHER" --log_dir "$OUT/distill_padded" --markdown_out "$OUT/distill_padded.md"
 rm -rf "$OUT"/*/out-* "$MODEL" "$TEACHER"
 cat "$OUT/machine.txt" "$OUT/summary.txt"
 for f in $PARTS; do echo; cat "$OUT/$f.md" 2>/dev/null || tail -5 "$OUT/$f.log"; done

@@ -33,8 +33,14 @@ def model_config(tiny: bool, longest: int = 0, shape: str = "0.5b"):
     )
 
 
-def build_model(path: str, *, tiny: bool, dtype: str, seed: int, longest: int = 0, shape: str = "0.5b") -> str:
+def build_model(path: str, *, tiny: bool, dtype: str, seed: int, longest: int = 0, shape: str = "0.5b",
+                device: str = "cpu") -> str:
     """Seeds, builds and saves the model of `shape` (and the tiny Qwen2 tokenizer) to `path`.
+
+    `device` is where the random init runs: "cuda" takes the 1.5B shape's init from about 50 s
+    on a GPU machine's CPUs to a second or two. The weights then come from CUDA's generator, not
+    the CPU's (another random model of the same shape): every configuration of a run loads the
+    one saved model either way. Tests build on the CPU.
 
     Returns:
         A one-line description (class, parameter count, dtype, path).
@@ -45,7 +51,8 @@ def build_model(path: str, *, tiny: bool, dtype: str, seed: int, longest: int = 
     from fusedalign.models import load_tokenizer
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(model_config(tiny, longest, shape), dtype=torch.float32)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(model_config(tiny, longest, shape), dtype=torch.float32)
     model.to(torch.bfloat16 if dtype == "bf16" else torch.float32)
     # Generation keeps a KV cache, as a released checkpoint's generation config has it: transformers'
     # generate (TRL's sampler) takes every field its caller leaves unset from here, and the config's
@@ -54,4 +61,4 @@ def build_model(path: str, *, tiny: bool, dtype: str, seed: int, longest: int = 
     model.save_pretrained(path)
     load_tokenizer("builtin:tiny-qwen2").save_pretrained(path)
     n = sum(p.numel() for p in model.parameters())
-    return f"{type(model).__name__} {n / 1e6:.1f}M parameters, {dtype}, saved to {path}"
+    return f"{type(model).__name__} {n / 1e6:.1f}M parameters, {dtype}, initialised on {device}, saved to {path}"
