@@ -37,10 +37,11 @@ def build_model(path: str, *, tiny: bool, dtype: str, seed: int, longest: int = 
                 device: str = "cpu") -> str:
     """Seeds, builds and saves the model of `shape` (and the tiny Qwen2 tokenizer) to `path`.
 
-    `device` is where the random init runs: "cuda" takes the 1.5B shape's init from about 50 s
-    on a GPU machine's CPUs to a second or two. The weights then come from CUDA's generator, not
-    the CPU's (another random model of the same shape): every configuration of a run loads the
-    one saved model either way. Tests build on the CPU.
+    `device` is where the random init runs. On the CPU the whole build took 51 s for the 1.5B
+    shape and 28 s for the 0.5B one on an H100 machine (2026-12-05), most of it the init;
+    `gpu_record.sh` builds with "cuda". The weights then come from CUDA's generator, not the
+    CPU's (another random model of the same shape): every configuration of a run loads the one
+    saved model either way. Tests build on the CPU.
 
     Returns:
         A one-line description (class, parameter count, dtype, path).
