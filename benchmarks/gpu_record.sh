@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # The GPU benchmarks of record in one command, each part bounded in time so that the
-# whole stays under 10 minutes; tables (markdown) and logs go to $OUT (default ./bench-out).
+# whole stays under 10 minutes. $OUT (default ./bench-out) gets few files: machine.txt,
+# summary.txt (each part's exit status and time), each part's table (NAME.md) and logs.tar.gz,
+# every log and per-configuration JSON (no model weights), re-made after each part so that a
+# run stopped early leaves what it measured.
 #
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
 #       --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD && bash benchmarks/gpu_record.sh
 #
 # A part that runs past its limit is stopped (with its subprocesses); what it measured
-# until then is in its .md (tables are rewritten after each configuration) and its .log.
+# until then is in its .md (tables are rewritten after each configuration) and its log.
 # TINY=1 runs the same parts on the CPU with the tiny model (a check that each one starts).
 # PARTS names the parts to run (default: decode grpo generation dpo_flex, about 9 minutes
 # together); the others are commands of their own: PARTS=distill (with its teacher, about 7
@@ -41,6 +44,16 @@ else X=""; SHAPE="tiny=False, dtype='bf16', device='cuda'"; BATCH=512; BATCHES="
      GRPO_REAL="--prompts 8 --completion_lengths lognormal:300:1500 --new_tokens 2048 --per_device_train_batch_size 8"; fi
 mkdir -p "$OUT"
 : > "$OUT/summary.txt"
+LOGS=$(mktemp -d /tmp/gpu-record-XXXXXX)  # logs and per-configuration output, packed into $OUT/logs.tar.gz
+
+pack() {  # the logs so far into one archive, weights and checkpoints left out
+    local tmp="$OUT/logs.tar.gz.$BASHPID"
+    tar -czf "$tmp" -C "$LOGS" --exclude='*.safetensors' --exclude='*.bin' --exclude='*.pt' \
+        --exclude='*.pth' --exclude='checkpoint-*' . 2>/dev/null && mv "$tmp" "$OUT/logs.tar.gz" || rm -f "$tmp"
+}
+( while sleep 60; do pack; done ) >/dev/null 2>&1 &  # also while a part runs: a run stopped from outside keeps its logs
+PACKER=$!
+trap 'kill $PACKER 2>/dev/null' EXIT
 
 wanted() {  # wanted NAME: PARTS names it; the model always; the teacher with the distillation part
     case " $PARTS " in *" $1 "*) return 0;; esac
@@ -51,9 +64,10 @@ part() {  # part NAME SECONDS COMMAND...
     local name=$1 limit=$2 t0=$SECONDS rc
     shift 2
     wanted "$name" || return 0
-    timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
+    timeout -k 5 "$limit" "$@" > "$LOGS/$name.log" 2>&1
     rc=$?
     echo "$name: rc=$rc after $((SECONDS - t0)) s (limit $limit s)" | tee -a "$OUT/summary.txt"
+    pack
 }
 
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
@@ -63,41 +77,41 @@ part decode 45 python3 benchmarks/decode_profile.py $X --batches $BATCHES --repe
     --model_dir "$MODEL" --markdown_out "$OUT/decode.md"
 part grpo 200 python3 benchmarks/e2e_grpo.py $X --configs ours ours_shared_prompt trl \
     --warmup_steps 1 --timed_steps 2 --max_tokens_per_batch $GRPO_BUDGET \
-    --model_dir "$MODEL" --log_dir "$OUT/grpo" --markdown_out "$OUT/grpo.md"
+    --model_dir "$MODEL" --log_dir "$LOGS/grpo" --markdown_out "$OUT/grpo.md"
 part generation 110 python3 benchmarks/generation.py $X --batches $BATCH --repeats 1 --methods ours ours_fused dynamic_eos \
-    --model_dir "$MODEL" --log_dir "$OUT/generation" --markdown_out "$OUT/generation.md"
+    --model_dir "$MODEL" --log_dir "$LOGS/generation" --markdown_out "$OUT/generation.md"
 part dpo_flex 150 python3 benchmarks/e2e_dpo.py $X --real_lengths ultrafeedback --warmup_steps 2 --timed_steps 2 \
     --configs ours_padding_free_fixed_flex ours_shared_prompt_fixed_flex trl_liger --per_device_train_batch_size 8 \
-    --model_dir "$MODEL" --log_dir "$OUT/dpo_flex" --markdown_out "$OUT/dpo_flex.md"
+    --model_dir "$MODEL" --log_dir "$LOGS/dpo_flex" --markdown_out "$OUT/dpo_flex.md"
 part e2e_dpo 200 python3 benchmarks/e2e_dpo.py $X --lengths 2048 4096 --configs ours_fused_compile trl_liger \
-    --model_dir "$MODEL" --log_dir "$OUT/e2e_dpo" --markdown_out "$OUT/e2e_dpo.md"
+    --model_dir "$MODEL" --log_dir "$LOGS/e2e_dpo" --markdown_out "$OUT/e2e_dpo.md"
 part real_lengths 150 python3 benchmarks/e2e_dpo.py $X --real_lengths ultrafeedback --warmup_steps 2 --timed_steps 2 \
     --configs trl_liger ours_shared_prompt_flex trl_liger_grouped \
-    --model_dir "$MODEL" --log_dir "$OUT/real_lengths" --markdown_out "$OUT/real_lengths.md"
+    --model_dir "$MODEL" --log_dir "$LOGS/real_lengths" --markdown_out "$OUT/real_lengths.md"
 part grpo_real 200 python3 benchmarks/e2e_grpo.py $X --configs ours ours_shared_prompt trl $GRPO_REAL \
     --warmup_steps 1 --timed_steps 2 --max_tokens_per_batch $GRPO_BUDGET \
-    --model_dir "$MODEL" --log_dir "$OUT/grpo_real" --markdown_out "$OUT/grpo_real.md"
+    --model_dir "$MODEL" --log_dir "$LOGS/grpo_real" --markdown_out "$OUT/grpo_real.md"
 part grpo_longest 540 python3 benchmarks/e2e_grpo.py $X --longest_search --configs ours_shared_prompt trl \
-    --max_tokens_per_batch 0 $LONGEST --model_dir "$MODEL" --log_dir "$OUT/grpo_longest" \
+    --max_tokens_per_batch 0 $LONGEST --model_dir "$MODEL" --log_dir "$LOGS/grpo_longest" \
     --markdown_out "$OUT/grpo_longest.md"
 part compiled_decode 120 python3 benchmarks/decode_profile.py $X --batches $BATCH --repeats 5 --compile \
     --model_dir "$MODEL" --markdown_out "$OUT/compiled_decode.md"
 part attention 90 python3 benchmarks/decode_attention.py $X --repeats 20 --markdown_out "$OUT/attention.md"
 part compiled_generation 150 python3 benchmarks/generation.py $X --batches $BATCH --repeats 1 \
-    --methods ours ours_compiled --model_dir "$MODEL" --log_dir "$OUT/compiled_generation" \
+    --methods ours ours_compiled --model_dir "$MODEL" --log_dir "$LOGS/compiled_generation" \
     --markdown_out "$OUT/compiled_generation.md"
 part fast_grpo 300 python3 benchmarks/e2e_grpo.py $X --configs ours ours_fast trl \
-    --warmup_steps 1 --timed_steps 2 --model_dir "$MODEL" --log_dir "$OUT/fast_grpo" \
+    --warmup_steps 1 --timed_steps 2 --model_dir "$MODEL" --log_dir "$LOGS/fast_grpo" \
     --markdown_out "$OUT/fast_grpo.md"
 part compiled_grpo 200 python3 benchmarks/e2e_grpo.py $X --configs ours ours_compiled \
-    --warmup_steps 1 --timed_steps 2 --model_dir "$MODEL" --log_dir "$OUT/compiled_grpo" \
+    --warmup_steps 1 --timed_steps 2 --model_dir "$MODEL" --log_dir "$LOGS/compiled_grpo" \
     --markdown_out "$OUT/compiled_grpo.md"
 part grpo_checkpointing 240 python3 benchmarks/e2e_grpo.py $X --configs ours ours_shared_prompt trl \
     --gradient_checkpointing --warmup_steps 1 --timed_steps 2 --max_tokens_per_batch $GRPO_BUDGET \
-    --model_dir "$MODEL" --log_dir "$OUT/grpo_checkpointing" --markdown_out "$OUT/grpo_checkpointing.md"
+    --model_dir "$MODEL" --log_dir "$LOGS/grpo_checkpointing" --markdown_out "$OUT/grpo_checkpointing.md"
 part grpo_offload 240 python3 benchmarks/e2e_grpo.py $X --configs ours ours_shared_prompt trl \
     $OFFLOAD --warmup_steps 1 --timed_steps 2 --max_tokens_per_batch $GRPO_BUDGET \
-    --model_dir "$MODEL" --log_dir "$OUT/grpo_offload" --markdown_out "$OUT/grpo_offload.md"
+    --model_dir "$MODEL" --log_dir "$LOGS/grpo_offload" --markdown_out "$OUT/grpo_offload.md"
 part triton_decode 60 python3 benchmarks/decode_profile.py $X --batches $BATCHES --repeats 5 --kernels 8 \
     $TRITON --model_dir "$MODEL" --markdown_out "$OUT/triton_decode.md"
 part fused_decode 330 python3 benchmarks/decode_profile.py $X --batches $BATCH --repeats 5 --compile --fused_sampling \
@@ -105,17 +119,18 @@ part fused_decode 330 python3 benchmarks/decode_profile.py $X --batches $BATCH -
 part triton_configs 150 python3 benchmarks/decode_attention.py $X --repeats 20 --variants grouped_sdpa triton_grouped \
     --triton_configs --slots 256 512 --markdown_out "$OUT/triton_configs.md"
 part triton_generation 200 python3 benchmarks/generation.py $X --batches $BATCH --repeats 1 \
-    --methods ours ours_triton ours_compiled_triton_fused --model_dir "$MODEL" --log_dir "$OUT/triton_generation" \
+    --methods ours ours_triton ours_compiled_triton_fused --model_dir "$MODEL" --log_dir "$LOGS/triton_generation" \
     --markdown_out "$OUT/triton_generation.md"
 part teacher 90 python3 -c "from benchmarks.builders.model import build_model as b; print(b('$TEACHER', $SHAPE, seed=1, shape='1.5b'))"
 part distill 480 python3 benchmarks/e2e_distill.py $X --configs ours_padding_free trl \
     --max_tokens_per_batch $DISTILL_BUDGET --model_dir "$MODEL" --teacher_dir "$TEACHER" \
-    --log_dir "$OUT/distill" --markdown_out "$OUT/distill.md"
+    --log_dir "$LOGS/distill" --markdown_out "$OUT/distill.md"
 part distill_checkpointing 480 python3 benchmarks/e2e_distill.py $X --configs ours_padding_free trl \
     --gradient_checkpointing --max_tokens_per_batch $DISTILL_BUDGET --model_dir "$MODEL" --teacher_dir "$TEACHER" \
-    --log_dir "$OUT/distill_checkpointing" --markdown_out "$OUT/distill_checkpointing.md"
+    --log_dir "$LOGS/distill_checkpointing" --markdown_out "$OUT/distill_checkpointing.md"
 part distill_padded 200 python3 benchmarks/e2e_distill.py $X --configs ours \
-    --model_dir "$MODEL" --teacher_dir "$TEACHER" --log_dir "$OUT/distill_padded" --markdown_out "$OUT/distill_padded.md"
-rm -rf "$OUT"/*/out-* "$MODEL" "$TEACHER"
+    --model_dir "$MODEL" --teacher_dir "$TEACHER" --log_dir "$LOGS/distill_padded" --markdown_out "$OUT/distill_padded.md"
+kill $PACKER 2>/dev/null; wait $PACKER 2>/dev/null; pack
+rm -rf "$LOGS" "$MODEL" "$TEACHER"
 cat "$OUT/machine.txt" "$OUT/summary.txt"
-for f in $PARTS; do echo; cat "$OUT/$f.md" 2>/dev/null || tail -5 "$OUT/$f.log"; done
+for f in $PARTS; do echo; cat "$OUT/$f.md" 2>/dev/null || tar -xzOf "$OUT/logs.tar.gz" "./$f.log" 2>/dev/null | tail -5; done
