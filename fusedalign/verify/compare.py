@@ -7,8 +7,9 @@ relative to the largest magnitude that value takes over the oracle's steps, floo
 1e-3 for the loss and gradient norm, 1e-2 for metrics) so that a value that is ~0 at
 step 1, as DPO's rewards are, is not divided by ~0. Metrics get a looser tolerance than
 the loss: several are small differences of large sums (DPO's rewards are beta times a
-difference of summed log-probs), whose rounding scales with the sums. A key logged by
-one run and not the other is a disagreement.
+difference of summed log-probs), whose rounding scales with the sums. A key logged at a
+step by one run and not the other is a disagreement; a key neither logs at that step is
+not (GRPO logs its completion metrics at the steps that generate).
 
 The final weights are compared tensor by tensor, relative to how far the oracle moved
 that tensor in training (floored at a fraction of the tensor's norm, so a tensor that
@@ -105,8 +106,9 @@ def compare_steps(cmp: Comparison, got: list[dict[str, float]], want: list[dict[
     keys = sorted({k for step in want for k in step}, key=lambda k: (k != "loss", k != "grad_norm", k))
     scales = {k: max((abs(s[k]) for s in want if k in s and not math.isnan(s[k])), default=0.0) for k in keys}
     for index, (g, w) in enumerate(zip(got, want), start=1):
-        extra = set(g) - set(w)
-        for key in keys + sorted(extra):
+        # A step's own keys: a value logged at some steps only (GRPO's completion metrics, at the
+        # steps that generate) is compared where either run logged it.
+        for key in [k for k in keys if k in g or k in w] + sorted(set(g) - set(w)):
             if key not in g or key not in w:
                 side = "the oracle" if key in w else "this run"
                 cmp.first = cmp.first or f"{key} at step {index}: logged by {side} only"

@@ -23,8 +23,9 @@ TRAINERS = {
     "sft": [*DATA, "--dataset_config", "standard_language_modeling", "--max_length", "32"],
     "dpo": [*DATA, "--dataset_config", "standard_preference", "--max_length", "48", "--max_prompt_length", "24"],
     "kto": [*DATA, "--dataset_config", "standard_unpaired_preference", "--max_length", "48", "--max_prompt_length", "24"],
+    # Two optimizer steps a generation: step 2 logs no completion metrics, in any run.
     "grpo": [*DATA, "--dataset_config", "standard_prompt_only", "--num_generations", "2", "--max_completion_length", "8",
-             "--reward_funcs", "zen_words"],
+             "--reward_funcs", "zen_words", "--num_iterations", "2"],
     "rloo": [*DATA, "--dataset_config", "standard_prompt_only", "--num_generations", "2", "--max_completion_length", "8",
              "--reward_funcs", "zen_words"],
     "distillation": [*DATA, "--dataset_config", "standard_prompt_only", "--max_completion_length", "8",

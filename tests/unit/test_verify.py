@@ -69,6 +69,24 @@ def test_a_value_logged_by_one_side_only_disagrees():
     assert cmp.first == "logged 1 steps, the oracle 2"
 
 
+def test_a_value_logged_at_some_steps_only_is_compared_where_logged():
+    """GRPO with num_iterations 2 logs its completion metrics at the steps that generate only."""
+    want = [{"loss": 0.69, "completions/clipped_ratio": 0.5}, {"loss": 0.65}, {"loss": 0.6, "completions/clipped_ratio": 1.0}]
+    cmp = Comparison("run")
+    compare_steps(cmp, [dict(step) for step in want], want, FP32)
+    assert cmp.agrees, cmp.first
+    got = [dict(step) for step in want]
+    got[2]["completions/clipped_ratio"] = 0.75
+    cmp = Comparison("run")
+    compare_steps(cmp, got, want, FP32)
+    assert cmp.first.startswith("completions/clipped_ratio at step 3"), cmp.first
+    got = [dict(step) for step in want]
+    got[1]["completions/clipped_ratio"] = 0.5
+    cmp = Comparison("run")
+    compare_steps(cmp, got, want, FP32)
+    assert cmp.first == "completions/clipped_ratio at step 2: logged by this run only"
+
+
 def test_weights_are_compared_relative_to_the_oracles_update():
     torch.manual_seed(0)
     initial = {"a": torch.randn(8, 4, dtype=torch.float64), "head": torch.randn(16, 4, dtype=torch.float64)}
