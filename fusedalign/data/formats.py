@@ -34,6 +34,7 @@ KIND_COLUMNS: dict[str, tuple[str, ...]] = {
     "unpaired_preference": ("prompt", "completion", "label"),
 }
 FORMAT_COLUMNS = frozenset({"text", "messages", "prompt", "completion", "chosen", "rejected", "label"})
+PROMPT_KINDS = frozenset({"prompt_only", "prompt_completion"})  # what the generating trainers read
 
 # Which kinds each trainer reads.
 TRAINER_KINDS: dict[str, tuple[str, ...]] = {
@@ -166,9 +167,17 @@ def detect_format(data: Any, expected: Iterable[str] | str | None = None) -> Dat
         if fits:
             k = max(fits, key=lambda k: len(required[k]))
             extra = sorted(present - required[k])
-            raise DataError(
-                f"unexpected column(s) {extra} for format {_describe(k)} (all rows): {who} {wanted}; {found}"
-            )
+            other = next((o for o in KIND_COLUMNS if o not in kinds and _fits(o, present)), None)
+            if set(kinds) <= PROMPT_KINDS and other is None:
+                # GRPO, RLOO, distillation read the prompt (TRL: every other column goes to the reward
+                # functions, 'text' and 'label' too), unless the columns are another trainer's data.
+                kind = k
+            else:
+                hint = f" (the columns fit format {other})" if other else ""
+                raise DataError(
+                    f"unexpected column(s) {extra} for format {_describe(k)} (all rows): {who} {wanted}; {found}{hint}"
+                )
+    if kind is None:
         # Name what is missing for the closest accepted kind.
         k = min(kinds, key=lambda k: (len(required[k] - present), len(present - required[k])))
         missing = sorted(required[k] - present)

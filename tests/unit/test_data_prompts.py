@@ -34,6 +34,17 @@ def test_conversational_prompts_get_the_generation_prompt(tok):
     assert out[0]["prompt_ids"] == list(want["input_ids"]) and stats.format.conversational
 
 
+def test_text_and_label_columns_go_to_the_rewards_as_in_trl(tok):
+    """TRL passes every column but prompt and completion to GRPO's reward functions: 'label' and
+    'text' are not another trainer's format beside a prompt, so they are columns like any other."""
+    data = Dataset.from_dict({"prompt": ["a", "b"], "label": [True, False], "text": ["x", "y"]})
+    out, stats = prepare_prompt_dataset(data, tok)
+    assert stats.format.kind == "prompt_only"
+    assert reward_columns([out[1]]) == {"label": [False], "text": ["y"]}
+    out, stats = prepare_prompt_dataset(data.add_column("completion", ["c", "d"]).remove_columns("label"), tok)
+    assert stats.format.kind == "prompt_completion" and reward_columns([out[0]]) == {"text": ["x"]}
+
+
 def test_a_completion_column_is_accepted(tok):
     out, stats = prepare_prompt_dataset(load_dataset_any("builtin:zen", "standard_prompt_completion"), tok)
     assert stats.format.kind == "prompt_completion" and "completion" in out.column_names
@@ -44,7 +55,8 @@ def test_a_completion_column_is_accepted(tok):
     ({"text": ["a"]}, r"missing column 'prompt' \(all rows\): GRPO expects prompts"),
     ({"prompt": ["a"], "completions": ["b"]}, r"column 'completions' clashes with an argument of the reward functions"),
     ({"prompt": ["a"], "prompt_ids": [[1]]}, r"column 'prompt_ids' clashes"),
-    ({"prompt": ["a"], "chosen": ["b"], "rejected": ["c"]}, r"unexpected column"),
+    ({"prompt": ["a"], "chosen": ["b"], "rejected": ["c"]}, r"unexpected column.*fit format preference"),
+    ({"prompt": ["a"], "completion": ["b"], "label": [True]}, r"unexpected column.*fit format unpaired_preference"),
     ({"prompt": ["a", None]}, r"row 1"),
 ])
 def test_bad_data_is_refused_naming_the_column_or_row(tok, columns, match):
