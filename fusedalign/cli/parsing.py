@@ -17,6 +17,7 @@ from typing import Any
 
 from fusedalign.cli.commands import GENERATING_COMMANDS
 from fusedalign.cli.demo import banner, demo_defaults
+from fusedalign.cli.trl_absent import drop_absent
 from fusedalign.errors import CLIError
 
 # A `%(name)s` placeholder is argparse's; any other `%` is text.
@@ -180,6 +181,7 @@ def parse(command: str, dataclass_types: tuple, argv: list[str], *, announce: bo
     argv = check_trl_only(command, argv, config_values)
     config_values.pop("use_vllm", None)
     parser = build_parser(command, dataclass_types)
+    argv = drop_absent(command, argv, config_values, {action.dest for action in parser._actions})
     check_unknown(command, parser, argv, config_values)
     given = {**config_values, **given_flags(parser, argv)}
     filled = demo_defaults(command, given)

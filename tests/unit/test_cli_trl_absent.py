@@ -1,0 +1,79 @@
+"""TRL 1.16 config fields fusedalign does not have: dropped when their value asks for what runs
+here anyway, otherwise one line that says why and what runs instead (not an "unknown flag"
+whose nearest-name hint points elsewhere)."""
+
+from __future__ import annotations
+
+import pytest
+
+from fusedalign.cli import main
+from fusedalign.cli.help import dataclass_types
+from fusedalign.cli.parsing import build_parser, parse
+from fusedalign.cli.trl_absent import ABSENT, FIELDS, drop_absent
+from fusedalign.errors import CLIError
+
+CASES = [(command, field) for command in FIELDS for field in sorted(FIELDS[command])]
+# A value of each field that asks for something fusedalign does not do.
+OTHER = {"true": "false", "false": "true", "none": "7", "auto": "8"}
+
+
+def _known(command: str) -> set[str]:
+    return {action.dest for action in build_parser(command, dataclass_types(command))._actions}
+
+
+def _other(field: str) -> str:
+    same = ABSENT[field].same[0]
+    return OTHER[same] if same in OTHER else str(float(same) * 2 + 1)
+
+
+def test_every_field_is_in_the_table():
+    assert set().union(*FIELDS.values()) == set(ABSENT)
+
+
+@pytest.mark.parametrize("command,field", CASES)
+def test_another_value_is_one_line_naming_the_flag(command, field, tmp_path, capsys):
+    if field in _known(command):
+        pytest.skip(f"`fusedalign {command}` has its own --{field}")
+    value = _other(field)
+    if value in ABSENT[field].same:
+        pytest.skip(f"every value of --{field} asks for what runs here")
+    assert main([command, f"--{field}", value, "--output_dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith(f"fusedalign {command}: error: --{field} {value}: "), err
+    assert ABSENT[field].line in err and "unknown flag" not in err, err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("command,field", CASES)
+def test_the_value_that_asks_for_what_runs_here_is_dropped(command, field):
+    if field in _known(command):
+        pytest.skip(f"`fusedalign {command}` has its own --{field}")
+    base = ["--output_dir", "/tmp/unused"]
+    want = parse(command, dataclass_types(command), base, announce=False)
+    for same in ABSENT[field].same:
+        assert parse(command, dataclass_types(command), [f"--{field}", same, *base], announce=False) == want
+        assert parse(command, dataclass_types(command), [f"--{field}={same}", *base], announce=False) == want
+
+
+def test_a_field_the_command_has_is_never_taken():
+    """DPO has its own pad_to_multiple_of: it reaches DPO's config, not this table."""
+    assert "pad_to_multiple_of" in _known("dpo")
+    assert drop_absent("dpo", ["--pad_to_multiple_of", "8"], {}, _known("dpo")) == ["--pad_to_multiple_of", "8"]
+    with pytest.raises(CLIError, match="--pad_to_multiple_of 8: fusedalign does not pad"):
+        drop_absent("sft", ["--pad_to_multiple_of", "8"], {}, _known("sft"))
+
+
+def test_a_bare_boolean_flag_means_true(capsys, tmp_path):
+    assert main(["grpo", "--sync_ref_model", "--output_dir", str(tmp_path / "run")]) == 2
+    assert "--sync_ref_model true: syncing the reference model" in capsys.readouterr().err
+    assert drop_absent("grpo", ["--ds3_gather_for_generation", "--beta", "0"], {}, set()) == ["--beta", "0"]
+
+
+def test_config_keys_are_read_the_same_way(tmp_path, capsys):
+    config = tmp_path / "run.yaml"
+    config.write_text("sync_ref_model: false\nref_model_sync_steps: 512\nbeta: 0.0\n")
+    values = {"sync_ref_model": False, "ref_model_sync_steps": 512, "beta": 0.0}
+    assert drop_absent("rloo", [], values, _known("rloo")) == [] and values == {"beta": 0.0}
+    config.write_text("use_adaptive_entropy: true\n")
+    assert main(["grpo", "--config", str(config), "--output_dir", str(tmp_path / "run")]) == 2
+    assert "--config key use_adaptive_entropy: True: the adaptive entropy coefficient" in capsys.readouterr().err
