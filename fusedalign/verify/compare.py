@@ -108,7 +108,7 @@ def compare_steps(cmp: Comparison, got: list[dict[str, float]], want: list[dict[
     for index, (g, w) in enumerate(zip(got, want), start=1):
         # A step's own keys: a value logged at some steps only (GRPO's completion metrics, at the
         # steps that generate) is compared where either run logged it.
-        for key in [k for k in keys if k in g or k in w] + sorted(set(g) - set(w)):
+        for key in [k for k in keys if k in g or k in w] + sorted(set(g) - set(keys)):
             if key not in g or key not in w:
                 side = "the oracle" if key in w else "this run"
                 cmp.first = cmp.first or f"{key} at step {index}: logged by {side} only"
