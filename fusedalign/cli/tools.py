@@ -23,7 +23,8 @@ OUTPUT_DIR/training_curves.png and prints the path of the PNG.""",
     "merge": f"""{MERGE_USAGE}
 
 Merges the LoRA adapter of a --use_peft run (ADAPTER_DIR, its --output_dir) into
-its base model and saves the full model and tokenizer in OUTPUT_DIR.
+its base model and saves the full model and tokenizer in OUTPUT_DIR, a new or empty
+directory (one that holds files is refused; `--output_dir OUTPUT_DIR` names it too).
   --base_model NAME_OR_PATH  the base model (default: the one adapter_config.json names)""",
     "consolidate": f"""{CONSOLIDATE_USAGE}
 
@@ -81,12 +82,19 @@ def run_merge(argv: list[str]) -> int:
     if _asks_for_help("merge", argv):
         return 0
     base, argv = _take_option(argv, "--base_model", MERGE_USAGE)
+    output_flag, argv = _take_option(argv, "--output_dir", MERGE_USAGE)  # what a training command calls it
+    argv += [output_flag] if output_flag is not None else []
     if len(argv) != 2 or any(a.startswith("-") for a in argv):
         raise CLIError(MERGE_USAGE)
     adapter_dir, output_dir = argv
     if not os.path.isfile(os.path.join(adapter_dir, "adapter_config.json")):
         raise CLIError(f"{adapter_dir} is not a PEFT adapter directory (no adapter_config.json); "
                        "expected the output_dir of a run with --use_peft.")
+    if os.path.isdir(output_dir) and os.listdir(output_dir):
+        held = sorted(os.listdir(output_dir))
+        listed = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
+        raise CLIError(f"OUTPUT_DIR {output_dir} already holds files ({listed}); the merged model would mix with "
+                       "them: give a new or empty directory.")
     from peft import PeftConfig, PeftModel
 
     from fusedalign.models import load_model, load_tokenizer

@@ -213,6 +213,24 @@ def test_merge_refuses_a_directory_that_is_not_an_adapter(tmp_path, capsys):
     assert cli.main(["merge", str(tmp_path)]) == 2
 
 
+def test_merge_writes_into_a_new_directory_only_and_takes_output_dir(tmp_path, capsys):
+    adapter = tmp_path / "adapter"
+    assert cli.main(["sft", "--use_peft", "--max_steps", "1", "--eval_strategy", "no", "--output_dir", str(adapter)]) == 0
+    before = {p.name: p.stat().st_mtime_ns for p in adapter.iterdir()}
+    capsys.readouterr()
+    # Into the adapter's own directory (or any that holds files): refused in one line, nothing written.
+    assert cli.main(["merge", str(adapter), str(adapter)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"OUTPUT_DIR {adapter} already holds files (README.md, adapter_config.json" in err, err
+    assert {p.name: p.stat().st_mtime_ns for p in adapter.iterdir()} == before
+    # A training command's --output_dir names OUTPUT_DIR too.
+    assert cli.main(["merge", str(adapter), "--output_dir", str(tmp_path / "merged")]) == 0
+    assert (tmp_path / "merged" / "model.safetensors").is_file()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert cli.main(["merge", str(adapter), str(empty)]) == 0
+
+
 # --------------------------------------------------------------------------- errors
 
 
