@@ -149,6 +149,14 @@ def check_unknown(command: str, parser: Any, argv: list[str], config_keys: dict[
         raise CLIError(f"unexpected argument {rest[0]!r} for `fusedalign {command}`: flags take the form --name value")
 
 
+def _from_config(error: CLIError, config_values: dict[str, Any], on_line: dict[str, Any]) -> CLIError:
+    """argparse's "argument --beta: invalid float value" about a value the --config file gave, said so."""
+    found = re.match(r"argument --(\w+)[^:]*: (.*?)(?: \(`fusedalign \w+ --help` lists the flags\))?$", str(error))
+    if not found or found.group(1) not in config_values or found.group(1) in on_line:
+        return error
+    return CLIError(f"--config key {found.group(1)}: {found.group(2)}.")
+
+
 def given_flags(parser: Any, argv: list[str]) -> dict[str, Any]:
     """The destinations the command line sets, with their parsed values (defaults excluded)."""
     saved = [(action, action.default) for action in parser._actions]
@@ -183,10 +191,14 @@ def parse(command: str, dataclass_types: tuple, argv: list[str], *, announce: bo
     parser = build_parser(command, dataclass_types)
     argv = drop_absent(command, argv, config_values, {action.dest for action in parser._actions})
     check_unknown(command, parser, argv, config_values)
-    given = {**config_values, **given_flags(parser, argv)}
+    on_line = given_flags(parser, argv)
+    given = {**config_values, **on_line}
     filled = demo_defaults(command, given)
     parser.set_defaults(**{**filled, **config_values})
-    outputs = parser.parse_args_into_dataclasses(args=argv)
+    try:
+        outputs = parser.parse_args_into_dataclasses(args=argv)
+    except CLIError as error:
+        raise _from_config(error, config_values, on_line) from None
     if filled and announce and os.environ.get("RANK", "0") == "0":
         values = {k: v for out in outputs for k, v in vars(out).items()}
         print(banner(command, filled, values), file=sys.stderr)

@@ -122,6 +122,18 @@ def test_config_file_sets_defaults_and_flags_override(tmp_path):
     assert args.beta == 0.2 and args.max_steps == 2 and args.loss_type == ["sigmoid", "sft"]
 
 
+def test_a_bad_value_from_the_config_file_is_named_as_its_key(tmp_path, capsys):
+    config = tmp_path / "run.yaml"
+    config.write_text("max_steps: 2\nbeta: abc\n")
+    assert main(["dpo", "--config", str(config), "--output_dir", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "fusedalign dpo: error: --config key beta: invalid float value: 'abc'.", err
+    # The same value on the command line is the flag's.
+    assert main(["dpo", "--beta", "abc", "--output_dir", str(tmp_path / "o")]) == 2
+    assert "error: argument --beta: invalid float value: 'abc'" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
 def test_use_liger_kernel_is_an_alias_of_fused_head(tmp_path):
     _, args, _, _ = parse("dpo", DPO_TYPES, ["--output_dir", str(tmp_path), "--fused_head", "false", "--use_liger_kernel"])
     assert args.fused_head is True and args.use_liger_kernel is False
