@@ -15,7 +15,6 @@ import re
 import sys
 from typing import Any
 
-from fusedalign.cli.commands import GENERATING_COMMANDS
 from fusedalign.cli.demo import banner, demo_defaults
 from fusedalign.cli.trl_absent import drop_absent
 from fusedalign.errors import CLIError
@@ -34,37 +33,6 @@ HELP_OVERRIDES = {
 
 # TRL's name for the fused head switch; Trainer has its own field of that name.
 FLAG_ALIASES = {"--use_liger_kernel": "--fused_head"}
-
-
-# TRL flags of a machinery fusedalign does not have: one line saying what runs instead.
-def _vllm_line(command: str, flag: str) -> str:
-    if command in GENERATING_COMMANDS:
-        return (f"{flag}: fusedalign does not use vLLM; completions are sampled in the training processes by "
-                "--generation_backend (auto: fusedalign's StaticDecode, one CUDA graph a token, on CUDA; "
-                "transformers' generate on the CPU) with the same sampling flags; drop the vLLM flags.")
-    return (f"{flag}: `fusedalign {command}` generates nothing (TRL's {command.upper()} has no vLLM flags either) "
-            "and fusedalign does not use vLLM; drop the flag.")
-
-
-def check_trl_only(command: str, argv: list[str], config_values: dict[str, Any]) -> list[str]:
-    """Drops `--use_vllm false` (TRL's default: the same run here) and refuses any other vLLM flag."""
-    kept, i = [], 0
-    for key, value in config_values.items():
-        if key.startswith("vllm_") or (key == "use_vllm" and value not in (False, "false", "False")):
-            raise CLIError(_vllm_line(command, f"--config key {key}"))
-    while i < len(argv):
-        name, eq, value = argv[i].partition("=")
-        if name == "--use_vllm":
-            if not eq and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-                value, i = argv[i + 1], i + 1
-            if value.lower() not in ("false", "0", "no"):
-                raise CLIError(_vllm_line(command, "--use_vllm"))
-        elif name.startswith("--vllm_"):
-            raise CLIError(_vllm_line(command, name))
-        else:
-            kept.append(argv[i])
-        i += 1
-    return kept
 
 
 def escape_help(text: str | None) -> str | None:
@@ -186,8 +154,6 @@ def parse(command: str, dataclass_types: tuple, argv: list[str], *, announce: bo
     """
     argv = [_alias(a) for a in argv]
     config_values, argv = load_yaml(argv)
-    argv = check_trl_only(command, argv, config_values)
-    config_values.pop("use_vllm", None)
     parser = build_parser(command, dataclass_types)
     argv = drop_absent(command, argv, config_values, {action.dest for action in parser._actions})
     check_unknown(command, parser, argv, config_values)

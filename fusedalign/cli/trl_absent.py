@@ -1,9 +1,10 @@
-"""TRL 1.16 config fields that fusedalign does not have (most of them GRPO's, RLOO's, distillation's).
+"""TRL 1.16 config fields that fusedalign does not have: vLLM's, and others (most of them GRPO's,
+RLOO's, distillation's).
 
 A TRL user's command line or YAML may carry them. Given with the value that means what
-fusedalign does anyway (TRL's default, mostly), a flag is dropped: the run is the one asked
-for. Any other value is refused in one line that says what runs instead, rather than an
-"unknown flag" whose closest-name hint points somewhere else. (vLLM's flags: `parsing.py`.)
+fusedalign does anyway (TRL's default, mostly: `--use_vllm false`), a flag is dropped: the run
+is the one asked for. Any other value is refused in one line that says what runs instead,
+rather than an "unknown flag" whose closest-name hint points somewhere else.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from fusedalign.cli.commands import GENERATING_COMMANDS
 from fusedalign.errors import CLIError
 
 _GENERATION = ("samples with --generation_backend (auto: fusedalign's StaticDecode on CUDA, transformers' generate on "
@@ -82,28 +84,51 @@ def _text(value: Any) -> str:
     return "none" if value is None else str(value).strip().lower()
 
 
+def _vllm_line(command: str, flag: str) -> str:
+    if command in GENERATING_COMMANDS:
+        return (f"{flag}: fusedalign does not use vLLM; completions are sampled in the training processes by "
+                "--generation_backend (auto: fusedalign's StaticDecode, one CUDA graph a token, on CUDA; "
+                "transformers' generate on the CPU) with the same sampling flags; drop the vLLM flags.")
+    return (f"{flag}: `fusedalign {command}` generates nothing (TRL's {command.upper()} has no vLLM flags either) "
+            "and fusedalign does not use vLLM; drop the flag.")
+
+
+def _vllm(key: str) -> bool:
+    return key == "use_vllm" or key.startswith("vllm_")
+
+
+def _check_vllm(command: str, key: str, value: Any, where: str) -> None:
+    """`use_vllm false` (TRL's default) is the run here; any other vLLM field is refused."""
+    if key.startswith("vllm_") or _text(value) not in ("false", "0", "no"):
+        raise CLIError(_vllm_line(command, where))
+
+
 def drop_absent(command: str, argv: list[str], config_values: dict[str, Any], known: set[str]) -> list[str]:
     """Removes TRL-only fields given with a value that changes nothing; refuses any other value in one line.
 
     `known`: the fields the command's own parser has (never intercepted).
     """
     fields = FIELDS.get(command, frozenset()) - known
-    for key in [k for k in config_values if k in fields]:
+    for key in [k for k in config_values if k in fields or _vllm(k)]:
         value = config_values.pop(key)
-        if _text(value) not in ABSENT[key].same:
+        if _vllm(key):
+            _check_vllm(command, key, value, f"--config key {key}")
+        elif _text(value) not in ABSENT[key].same:
             raise CLIError(f"--config key {key}: {value!r}: {ABSENT[key].line}; drop it.")
     kept, i = [], 0
     while i < len(argv):
         name, eq, value = argv[i].partition("=")
-        key = name[2:] if name.startswith("--") else None
-        if key not in fields:
+        key = name[2:] if name.startswith("--") else ""
+        if key not in fields and not _vllm(key):
             kept.append(argv[i])
             i += 1
             continue
         if not eq:
             has_value = i + 1 < len(argv) and not argv[i + 1].startswith("--")
             value, i = (argv[i + 1], i + 1) if has_value else ("true", i)  # a bare boolean flag means true
-        if _text(value) not in ABSENT[key].same:
+        if _vllm(key):
+            _check_vllm(command, key, value, name)
+        elif _text(value) not in ABSENT[key].same:
             raise CLIError(f"{name} {value}: {ABSENT[key].line}; drop the flag.")
         i += 1
     return kept
