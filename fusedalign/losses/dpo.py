@@ -34,6 +34,7 @@ DPO_LOSSES: dict[str, DPOVariant] = {
     "apo_down": dpo_anchored.apo_down,
     "discopop": dpo_margin.discopop,
     "sft": dpo_anchored.sft,
+    "sigmoid_norm": dpo_margin.sigmoid_norm,
 }
 
 
@@ -123,8 +124,8 @@ def dpo_losses(
         beta: Inverse temperature of the implicit reward, > 0.
         label_smoothing: Label-noise rate for sigmoid/robust/exo_pair/aot/aot_pair, in [0, 0.5].
         loss_weights: One weight per loss type (default 1 each).
-        chosen_lengths: [B] (or a scalar) completion tokens of the chosen; needed by ipo and sft.
-        rejected_lengths: [B] (or a scalar) completion tokens of the rejected; needed by ipo.
+        chosen_lengths: [B] (or a scalar) completion tokens of the chosen; needed by ipo, sigmoid_norm and sft.
+        rejected_lengths: [B] (or a scalar) completion tokens of the rejected; needed by ipo and sigmoid_norm.
         bco_delta: Running reward mean for bco_pair (see `bco_reward_mean`).
         discopop_tau: DiscoPOP's gate temperature.
         sft_tokens_per_pair: the `sft` term's divisor over a whole optimizer step (see

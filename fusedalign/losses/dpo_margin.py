@@ -68,6 +68,20 @@ def ipo(p: PairLogps, o: DPOOptions) -> Tensor:
     return (h_avg - 1 / (2 * o.beta)) ** 2
 
 
+def sigmoid_norm(p: PairLogps, o: DPOOptions) -> Tensor:
+    """DPO on per-token (length-normalised) log-ratios, as TRL 1.16's `sigmoid_norm`; label_smoothing unused.
+
+    Paper: https://huggingface.co/papers/2305.18290 (DPO), with the per-token log-ratios of `ipo`
+
+    Formula:
+        h_avg = chosen_logratios / |y_w| - rejected_logratios / |y_l|
+        loss = -log sigma(beta * h_avg)
+    """
+    len_w = lengths_of(p.chosen_lengths, p.chosen, "chosen_lengths", "sigmoid_norm")
+    len_l = lengths_of(p.rejected_lengths, p.rejected, "rejected_lengths", "sigmoid_norm")
+    return -F.logsigmoid(o.beta * (p.chosen_logratios / len_w - p.rejected_logratios / len_l))
+
+
 def exo_pair(p: PairLogps, o: DPOOptions) -> Tensor:
     """EXO for pairs: KL(q || p_eps) from the policy's pair distribution to the smoothed label.
 

@@ -52,6 +52,8 @@ def expected(loss_type, b=BETA, eps=EPS, delta=DELTA, tau=TAU):
             v = max(0.0, 1 - b * h)
         elif loss_type == "ipo":
             v = (cw / LC[i] - cl / LR[i] - 1 / (2 * b)) ** 2
+        elif loss_type == "sigmoid_norm":  # TRL 1.16: no label smoothing
+            v = -logsig(b * (cw / LC[i] - cl / LR[i]))
         elif loss_type == "exo_pair":
             q = sig(b * h)
             v = q * (math.log(q) - math.log(1 - eps)) + (1 - q) * (math.log(1 - q) - math.log(eps))
@@ -96,7 +98,7 @@ KW = dict(beta=BETA, label_smoothing=EPS, bco_delta=DELTA, discopop_tau=TAU,
 
 def test_table_lists_every_type_of_the_issue():
     wanted = {"sigmoid", "robust", "hinge", "ipo", "exo_pair", "nca_pair", "bco_pair", "sppo_hard",
-              "aot", "aot_pair", "apo_zero", "apo_down", "discopop", "sft"}
+              "aot", "aot_pair", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm"}
     assert wanted <= set(DPO_LOSSES)
 
 
@@ -105,6 +107,28 @@ def test_each_type_matches_its_formula(loss_type):
     out = dpo_losses(*inputs(), loss_type=loss_type, **KW)
     assert out.losses.shape == (3,)
     torch.testing.assert_close(out.losses, expected(loss_type), rtol=1e-12, atol=1e-12)
+
+
+def test_sigmoid_norm_is_trls_code_on_token_logps():
+    """TRL 1.16's sigmoid_norm (dpo_trainer.py), run on per-token log-probs and completion masks of
+    different lengths (one completion empty), against ours on their sums and token counts."""
+    torch.manual_seed(0)
+    mask = torch.zeros(6, 7)  # [2B, T]: chosen rows, then rejected rows, as TRL stacks them
+    for row, n in enumerate([3, 7, 1, 5, 2, 0]):
+        mask[row, 7 - n:] = 1
+    policy, ref = (torch.randn(6, 7, dtype=torch.float64) * mask for _ in range(2))
+    # TRL: per-sequence sums, scores = log-ratios (reverse KL), then the sigmoid_norm branch.
+    chosen_logps, rejected_logps = policy.sum(1).chunk(2)
+    ref_chosen_logps, ref_rejected_logps = ref.sum(1).chunk(2)
+    chosen_scores, rejected_scores = chosen_logps - ref_chosen_logps, rejected_logps - ref_rejected_logps
+    chosen_mask, rejected_mask = mask.chunk(2, dim=0)
+    chosen_avg_score = chosen_scores / chosen_mask.sum(dim=1).clamp(min=1.0)
+    rejected_avg_score = rejected_scores / rejected_mask.sum(dim=1).clamp(min=1.0)
+    trl = -torch.nn.functional.logsigmoid(BETA * (chosen_avg_score - rejected_avg_score))
+    lengths = mask.sum(1)
+    ours = dpo_losses(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, loss_type="sigmoid_norm",
+                      beta=BETA, label_smoothing=EPS, chosen_lengths=lengths[:3], rejected_lengths=lengths[3:])
+    torch.testing.assert_close(ours.losses, trl, rtol=1e-12, atol=1e-12)
 
 
 def test_sigmoid_without_smoothing_is_plain_dpo_and_default_tau_discopop():
@@ -159,7 +183,7 @@ def test_sigmoid_gradient_matches_the_analytic_one():
     torch.testing.assert_close(r.grad, -g)
 
 
-@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "exo_pair", "discopop", "nca_pair",
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "sigmoid_norm", "exo_pair", "discopop", "nca_pair",
                                        "apo_down", ["robust", "sft", "aot"]])
 def test_gradcheck(loss_type):
     c, r, _, _ = inputs(requires_grad=True)
@@ -258,12 +282,14 @@ def test_bad_options_raise(kwargs, match):
                        loss_weights=kwargs.get("loss_weights"))
 
 
-@pytest.mark.parametrize("loss_type, name", [("ipo", "chosen_lengths"), ("sft", "chosen_lengths")])
+@pytest.mark.parametrize("loss_type, name", [("ipo", "chosen_lengths"), ("sft", "chosen_lengths"),
+                                             ("sigmoid_norm", "chosen_lengths")])
 def test_length_normalised_types_need_lengths(loss_type, name):
     with pytest.raises(ValueError, match=name):
         dpo_losses(*inputs(), loss_type=loss_type)
-    with pytest.raises(ValueError, match="rejected_lengths"):
-        dpo_losses(*inputs(), loss_type="ipo", chosen_lengths=torch.tensor(LC))
+    for paired in ("ipo", "sigmoid_norm"):
+        with pytest.raises(ValueError, match="rejected_lengths"):
+            dpo_losses(*inputs(), loss_type=paired, chosen_lengths=torch.tensor(LC))
 
 
 def test_check_dpo_args_returns_the_plan():
