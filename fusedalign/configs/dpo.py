@@ -10,6 +10,24 @@ from fusedalign.configs.packed import MAX_TOKENS_HELP, PAD_MULTIPLE_HELP, PADDIN
 from fusedalign.losses import DPO_LOSSES, DPOOptions, check_dpo_args
 
 
+def resolve_pad_to_multiple_of(value: int | str | None) -> int | None:
+    """TRL's `pad_to_multiple_of`: `auto` (its default) pads only on Neuron, so here it is None, no padding.
+
+    The command line gives a string (`auto`, `none`, `8`); a number is checked by `check_packed_batching`.
+    """
+    if not isinstance(value, str):
+        return value
+    text = value.strip().lower()
+    if text in ("auto", "none", "null"):
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(
+            f"pad_to_multiple_of must be a positive number of tokens, auto or None; got {value!r}."
+        ) from None
+
+
 @dataclass
 class DPOConfig(FusedAlignConfig):
     """Direct Preference Optimization (Rafailov et al., 2023) and its variants."""
@@ -72,10 +90,11 @@ class DPOConfig(FusedAlignConfig):
     max_tokens_per_batch: int | None = field(
         default=None, metadata={"help": MAX_TOKENS_HELP.format(units="pairs", unit="pair")}
     )
-    pad_to_multiple_of: int | None = field(default=None, metadata={"help": PAD_MULTIPLE_HELP})
+    pad_to_multiple_of: int | str | None = field(default="auto", metadata={"help": PAD_MULTIPLE_HELP})
 
     def __post_init__(self):
         super().__post_init__()
+        self.pad_to_multiple_of = resolve_pad_to_multiple_of(self.pad_to_multiple_of)
         check_packed_batching(self, "pair")
         if isinstance(self.loss_type, str):
             self.loss_type = [self.loss_type]

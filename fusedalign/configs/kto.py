@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fusedalign.configs.common import TRUNCATION_MODES, FusedAlignConfig, check_choice
+from fusedalign.configs.dpo import resolve_pad_to_multiple_of
 from fusedalign.configs.packed import MAX_TOKENS_HELP, PAD_MULTIPLE_HELP, PADDING_FREE_HELP, check_packed_batching
 from fusedalign.losses import KTO_LOSSES, KTOOptions, check_kto_args
 
@@ -62,10 +63,11 @@ class KTOConfig(FusedAlignConfig):
         metadata={"help": MAX_TOKENS_HELP.format(units="examples", unit="example") + " An example counts with its "
                   "KL partner (the reference's joint row), the longest row a micro-batch runs."},
     )
-    pad_to_multiple_of: int | None = field(default=None, metadata={"help": PAD_MULTIPLE_HELP})
+    pad_to_multiple_of: int | str | None = field(default="auto", metadata={"help": PAD_MULTIPLE_HELP})
 
     def __post_init__(self):
         super().__post_init__()
+        self.pad_to_multiple_of = resolve_pad_to_multiple_of(self.pad_to_multiple_of)
         check_packed_batching(self, "example")
         # Every KTO option is validated here, once, before any model loads.
         check_kto_args(

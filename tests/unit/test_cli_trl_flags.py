@@ -110,3 +110,28 @@ def test_an_enum_valued_flag_is_named_as_typed(tmp_path, capsys):
                  "--eval_strategy", "steps", "--output_dir", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
     assert "--eval_strategy steps: " in err and "IntervalStrategy" not in err, err
+
+
+@pytest.mark.parametrize("command", ["dpo", "kto"])
+def test_pad_to_multiple_of_auto_is_trls_default_and_pads_nothing(command, tmp_path, capsys):
+    """TRL's `auto` pads only on Neuron: None here, on the command line and in --config YAML."""
+    from fusedalign.cli.help import dataclass_types
+    from fusedalign.cli.parsing import parse
+    from fusedalign.configs import DPOConfig, KTOConfig
+
+    def value(*flags):
+        args = parse(command, dataclass_types(command), [*flags, "--output_dir", str(tmp_path / "o")], announce=False)
+        return args[1].pad_to_multiple_of
+
+    config = {"dpo": DPOConfig, "kto": KTOConfig}[command]
+    assert [f.default for f in config.__dataclass_fields__.values() if f.name == "pad_to_multiple_of"] == ["auto"]
+    assert value() is None and value("--pad_to_multiple_of", "auto") is None
+    assert value("--pad_to_multiple_of", "None") is None and value("--pad_to_multiple_of", "8") == 8
+    yaml = tmp_path / "run.yaml"
+    yaml.write_text("pad_to_multiple_of: auto\n")
+    assert value("--config", str(yaml)) is None
+    yaml.write_text("pad_to_multiple_of: 16\n")
+    assert value("--config", str(yaml)) == 16
+    assert main([command, "--pad_to_multiple_of", "eight", "--output_dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "pad_to_multiple_of must be a positive number of tokens, auto or None" in err
