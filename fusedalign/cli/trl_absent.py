@@ -1,5 +1,6 @@
-"""TRL 1.16 config fields that fusedalign does not have: vLLM's, and others (most of them GRPO's,
-RLOO's, distillation's).
+"""TRL 1.16 fields that fusedalign does not have: vLLM's, others of each trainer's config, and the
+arguments every `trl` script parses beside it (ScriptArguments, ModelConfig's quantisation,
+DatasetMixtureConfig).
 
 A TRL user's command line or YAML may carry them. Given with the value that means what
 fusedalign does anyway (TRL's default, mostly: `--use_vllm false`), a flag is dropped: the run
@@ -18,6 +19,8 @@ from fusedalign.errors import CLIError
 _GENERATION = ("samples with --generation_backend (auto: fusedalign's StaticDecode on CUDA, transformers' generate on "
                "the CPU)")
 _NOT_BUILT = "is not implemented in fusedalign"
+_NOT_BUILT_ALL = "are not implemented in fusedalign"
+_QUANTISED = ("quantised loading (bitsandbytes) " + _NOT_BUILT + "; the model is loaded in --dtype")
 
 
 @dataclass(frozen=True)
@@ -29,8 +32,10 @@ class Absent:
 ABSENT: dict[str, Absent] = {
     "ds3_gather_for_generation": Absent(("true",), "fusedalign makes ZeRO-3 weights whole once per generation "
                                         "(TRL's default, true); generating from sharded weights is not supported"),
-    "cast_lm_head_to_fp32": Absent(("true",), "fusedalign's head always computes logits in float32, chunk by chunk, "
-                                   "whatever the weights' dtype (what true asks for)"),
+    "cast_lm_head_to_fp32": Absent(("false",), "fusedalign's head runs the logits GEMM in the weights' dtype (autocast's "
+                                   "under --bf16/--fp16) and its softmax in float32, as TRL's default (false) does; a "
+                                   "float32 copy of the head " + _NOT_BUILT + " (load float32 weights without --bf16 "
+                                   "for a float32 GEMM)"),
     "pad_to_multiple_of": Absent(("auto", "none", "null"), "fusedalign does not pad sequences to a multiple of a "
                                  "length; its rows are padded to the longest or packed (--padding_free)"),
     "sync_ref_model": Absent(("false",), f"syncing the reference model to the policy {_NOT_BUILT}: the reference "
@@ -49,8 +54,6 @@ ABSENT: dict[str, Absent] = {
     "chat_template_kwargs": Absent(("none", "null", "{}"), "prompts are templated with the tokenizer's chat "
                                    "template and its defaults; passing it keyword arguments " + _NOT_BUILT
                                    + " (template the prompts yourself to change them)"),
-    "model_init_kwargs": Absent(("none", "null", "{}"), "the model is loaded from --model_name_or_path with "
-                                "--dtype, --attn_implementation and --trust_remote_code; give those"),
     "log_multimodal": Absent(("true", "false"), "fusedalign trains text models only"),
     "log_unique_prompts": Absent(("false",), "logging each prompt once " + _NOT_BUILT + "; --log_completions "
                                  "prints the first --num_completions_to_print rows and writes every completion to "
@@ -60,6 +63,55 @@ ABSENT: dict[str, Absent] = {
     "use_transformers_paged": Absent(("false",), f"fusedalign {_GENERATION}"),
     "use_transformers_continuous_batching": Absent(("false",), f"fusedalign {_GENERATION}"),
     "transformers_continuous_batching_config": Absent(("none", "null", "{}"), f"fusedalign {_GENERATION}"),
+    # TRL's scripts: ScriptArguments, ModelConfig and DatasetMixtureConfig, parsed by every `trl` command.
+    "dataset_streaming": Absent(("false",), "streaming the dataset " + _NOT_BUILT + "; it is loaded whole"),
+    "ignore_bias_buffers": Absent(("false",), "leaving boolean buffers out of DDP's sync (TRL's DPO script's "
+                                  "workaround) " + _NOT_BUILT),
+    "datasets": Absent(("[]", "none", "null"), "a mixture of datasets " + _NOT_BUILT + "; give one with "
+                       "--dataset_name (and --dataset_config)"),
+    "streaming": Absent(("false",), "streaming the datasets " + _NOT_BUILT + "; they are loaded whole"),
+    "test_split_size": Absent(("none", "null"), "splitting a test set off the training data " + _NOT_BUILT
+                              + "; evaluation reads --dataset_test_split"),
+    "load_in_4bit": Absent(("false",), _QUANTISED),
+    "load_in_8bit": Absent(("false",), _QUANTISED),
+    "bnb_4bit_quant_type": Absent(("nf4",), "used only with --load_in_4bit: " + _QUANTISED),
+    "use_bnb_nested_quant": Absent(("false",), "used only with --load_in_4bit: " + _QUANTISED),
+    "bnb_4bit_quant_storage": Absent(("none", "null"), "used only with --load_in_4bit: " + _QUANTISED),
+    "lora_target_parameters": Absent(("none", "null", "[]"), "LoRA on parameters rather than modules (PEFT's "
+                                     "target_parameters) " + _NOT_BUILT + "; --lora_target_modules names the "
+                                     "modules to adapt"),
+    # SFTConfig
+    "dataset_text_field": Absent(("text",), "fusedalign reads language-modeling text from the column text (TRL's "
+                                 "default) or messages; rename the column to text"),
+    "loss_type": Absent(("nll", "chunked_nll"), "the DFT loss " + _NOT_BUILT + "; SFT's loss is the token mean "
+                        "of the negative log-likelihood (TRL's default, nll; chunked_nll is its deprecated alias)"),
+    "packing_strategy": Absent(("bfd",), "--packing packs best-fit decreasing, each sequence truncated to "
+                               "--max_length first (TRL's default, bfd); bfd_split and wrapped " + _NOT_BUILT_ALL),
+    "shuffle_dataset": Absent(("false",), "shuffling the dataset once before packing " + _NOT_BUILT + "; the "
+                              "training sampler shuffles the rows (--train_sampling_strategy)"),
+    "eos_token": Absent(("none", "null"), "each text ends with the tokenizer's own eos_token (TRL's default, None); "
+                        "setting another " + _NOT_BUILT + " (save it in the tokenizer of --model_name_or_path)"),
+    "pad_token": Absent(("none", "null"), "rows are padded with the tokenizer's pad_token, else its eos_token "
+                        "(TRL's default, None; the flag is deprecated in TRL); setting another " + _NOT_BUILT),
+    "chat_template_path": Absent(("none", "null"), "conversations are rendered with the chat template of the "
+                                 "tokenizer at --model_name_or_path (TRL's default, None); loading another "
+                                 + _NOT_BUILT + " (save it with the tokenizer)"),
+    "dataset_kwargs": Absent(("none", "null", "{}", "{'skip_prepare_dataset': false}",
+                              '{"skip_prepare_dataset": false}'), "skipping the dataset preparation (skip_prepare_dataset) "
+                             + _NOT_BUILT + "; give tokenised rows (input_ids, optionally completion_mask) and "
+                             "they are used as they are"),
+    "activation_offloading": Absent(("false",), "offloading activations to the CPU " + _NOT_BUILT
+                                    + "; --gradient_checkpointing saves activation memory"),
+    # DPOConfig, KTOConfig
+    "ld_alpha": Absent(("none", "null", "1.0", "1"), "LD-DPO's down-weighting of the tokens past the shorter "
+                       "completion " + _NOT_BUILT + " (None, TRL's default, and 1.0 weight every token)"),
+    "use_weighting": Absent(("false",), "WPO's weighting of the pairs " + _NOT_BUILT),
+    "f_divergence_type": Absent(("reverse_kl",), "the DPO losses use the reverse KL (TRL's default, reverse_kl); "
+                                "the other f-divergences " + _NOT_BUILT_ALL),
+    "f_alpha_divergence_coef": Absent(("0.5",), "used only with --f_divergence_type alpha_divergence, which "
+                                      + _NOT_BUILT),
+    "precompute_ref_batch_size": Absent(("none", "null"), "--precompute_ref_log_probs runs the reference over "
+                                        "batches of --per_device_eval_batch_size rows; set that instead"),
 }
 
 
@@ -67,16 +119,28 @@ _REFERENCE_SYNC = ("sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_st
 _GENERATION_FIELDS = ("chat_template_kwargs", "ds3_gather_for_generation", "log_unique_prompts",
                       "use_transformers_paged", "use_transformers_continuous_batching",
                       "transformers_continuous_batching_config")
-_EVERY = ("model_init_kwargs", "pad_to_multiple_of", "router_aux_loss_coef")
-# Which of them each TRL 1.16 config has.
+# Every `trl` command parses the script's, the model's and the dataset mixture's arguments.
+_SCRIPT = ("dataset_streaming", "ignore_bias_buffers", "datasets", "streaming", "test_split_size", "load_in_4bit",
+           "load_in_8bit", "bnb_4bit_quant_type", "use_bnb_nested_quant", "bnb_4bit_quant_storage",
+           "lora_target_parameters")
+_EVERY = _SCRIPT + ("pad_to_multiple_of", "router_aux_loss_coef")
+_SFT = ("dataset_text_field", "loss_type", "packing_strategy", "shuffle_dataset", "eos_token", "pad_token",
+        "chat_template_path", "dataset_kwargs", "activation_offloading")
+_DPO = ("ld_alpha", "use_weighting", "f_divergence_type", "f_alpha_divergence_coef", "precompute_ref_batch_size",
+        "activation_offloading", "pad_token")
+_GRPO = _EVERY + _REFERENCE_SYNC + _GENERATION_FIELDS + (
+    "cast_lm_head_to_fp32", "use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta",
+    "entropy_target", "off_policy_mask_threshold", "max_tool_calling_iterations", "log_multimodal",
+    "log_completions_hub_repo")
+# Which of them each TRL 1.16 command has (its config, or its script's arguments).
 FIELDS: dict[str, frozenset[str]] = {
-    "sft": frozenset(_EVERY),
-    "dpo": frozenset(_EVERY + _REFERENCE_SYNC),
-    "kto": frozenset(_EVERY + _REFERENCE_SYNC),
-    "grpo": frozenset(ABSENT),
+    "sft": frozenset(_EVERY + _SFT),
+    "dpo": frozenset(_EVERY + _REFERENCE_SYNC + _DPO),
+    "kto": frozenset(_EVERY + _REFERENCE_SYNC + ("precompute_ref_batch_size", "activation_offloading")),
+    "grpo": frozenset(_GRPO),
     "rloo": frozenset(_EVERY + _REFERENCE_SYNC + _GENERATION_FIELDS + ("log_multimodal",)),
-    "distillation": frozenset(("model_init_kwargs", "pad_to_multiple_of", "chat_template_kwargs",
-                               "ds3_gather_for_generation", "log_unique_prompts", "max_tool_calling_iterations")),
+    "distillation": frozenset(_SCRIPT + ("pad_to_multiple_of", "chat_template_kwargs", "ds3_gather_for_generation",
+                                         "log_unique_prompts", "max_tool_calling_iterations")),
 }
 
 

@@ -14,7 +14,8 @@ from fusedalign.errors import CLIError
 
 CASES = [(command, field) for command in FIELDS for field in sorted(FIELDS[command])]
 # A value of each field that asks for something fusedalign does not do.
-OTHER = {"true": "false", "false": "true", "none": "7", "auto": "8"}
+OTHER = {"true": "false", "false": "true", "none": "7", "auto": "8", "[]": "mix.yaml", "nf4": "fp4",
+         "text": "content", "nll": "dft", "bfd": "wrapped", "reverse_kl": "js_divergence"}
 
 
 def _known(command: str) -> set[str]:
@@ -77,3 +78,67 @@ def test_config_keys_are_read_the_same_way(tmp_path, capsys):
     config.write_text("use_adaptive_entropy: true\n")
     assert main(["grpo", "--config", str(config), "--output_dir", str(tmp_path / "run")]) == 2
     assert "--config key use_adaptive_entropy: True: the adaptive entropy coefficient" in capsys.readouterr().err
+
+
+# TRL 1.16's fields, per command, that have no flag here (besides the vLLM ones and those of GRPO's table).
+SCRIPT_FIELDS = {"dataset_streaming", "ignore_bias_buffers", "datasets", "streaming", "test_split_size",
+                 "load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type", "use_bnb_nested_quant",
+                 "bnb_4bit_quant_storage", "lora_target_parameters"}
+CONFIG_FIELDS = {
+    "sft": {"dataset_text_field", "loss_type", "packing_strategy", "shuffle_dataset", "eos_token", "pad_token",
+            "chat_template_path", "dataset_kwargs", "activation_offloading"},
+    "dpo": {"ld_alpha", "use_weighting", "f_divergence_type", "f_alpha_divergence_coef", "precompute_ref_batch_size",
+            "activation_offloading", "pad_token"},
+    "kto": {"precompute_ref_batch_size", "activation_offloading"},
+}
+
+
+@pytest.mark.parametrize("command", sorted(FIELDS))
+def test_trl_script_and_config_fields_are_in_the_table(command):
+    """ScriptArguments, ModelConfig's quantisation and DatasetMixtureConfig come with every `trl` command."""
+    assert SCRIPT_FIELDS | CONFIG_FIELDS.get(command, set()) <= FIELDS[command]
+    assert "model_init_kwargs" not in FIELDS[command]  # a field of the configs themselves
+
+
+@pytest.mark.parametrize("command,flags", [
+    ("sft", ["--dataset_text_field", "text", "--loss_type", "chunked_nll", "--packing_strategy", "bfd",
+             "--shuffle_dataset", "false", "--eos_token", "None", "--dataset_kwargs", "{}"]),
+    ("dpo", ["--f_divergence_type", "reverse_kl", "--ld_alpha", "1.0", "--use_weighting", "false",
+             "--precompute_ref_batch_size", "None"]),
+    ("kto", ["--activation_offloading", "false", "--load_in_4bit", "false", "--bnb_4bit_quant_type", "nf4"]),
+])
+def test_a_trl_command_line_at_its_defaults_runs_as_without_them(command, flags):
+    base = ["--output_dir", "/tmp/unused"]
+    want = parse(command, dataclass_types(command), base, announce=False)
+    assert parse(command, dataclass_types(command), [*flags, *base], announce=False) == want
+
+
+def test_cast_lm_head_to_fp32_false_is_what_the_head_computes(capsys, tmp_path):
+    """TRL's default, false: the logits GEMM in the weights' dtype, the softmax in float32 (true: a float32 GEMM)."""
+    import torch
+
+    from fusedalign.ops import head_logprobs
+
+    torch.manual_seed(0)
+    hidden, weight = (torch.randn(37, 64) * 2).bfloat16(), (torch.randn(1000, 64) * 0.5).bfloat16()
+    labels = torch.randint(0, 1000, (37,))
+    ours = head_logprobs(hidden, weight, labels, backend="torch", chunk_size=8).logps
+
+    def logps(logits):
+        return logits.log_softmax(-1).gather(1, labels[:, None])[:, 0]
+
+    assert (ours - logps((hidden @ weight.t()).float())).abs().max() < 1e-5
+    assert (ours - logps(hidden.float() @ weight.float().t())).abs().max() > 1e-3
+    assert ABSENT["cast_lm_head_to_fp32"].same == ("false",)
+    assert main(["grpo", "--cast_lm_head_to_fp32", "true", "--output_dir", str(tmp_path / "run")]) == 2
+    assert "as TRL's default (false) does" in capsys.readouterr().err
+
+
+def test_dataset_kwargs_without_skipping_the_preparation_is_dropped(tmp_path, capsys):
+    values = {"dataset_kwargs": {"skip_prepare_dataset": False}}
+    assert drop_absent("sft", ['--dataset_kwargs', '{"skip_prepare_dataset": false}'], values, _known("sft")) == []
+    assert values == {}
+    config = tmp_path / "run.yaml"
+    config.write_text("dataset_kwargs:\n  skip_prepare_dataset: true\n")
+    assert main(["sft", "--config", str(config), "--output_dir", str(tmp_path / "run")]) == 2
+    assert "give tokenised rows (input_ids, optionally completion_mask)" in capsys.readouterr().err
