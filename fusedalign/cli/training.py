@@ -41,21 +41,51 @@ def peft_config_from(model_args: Any) -> Any:
                            "layer but lm_head; give it alone, or list the modules (add lm_head to adapt the head).")
         targets = "all-linear"
     return LoraConfig(
-        task_type="CAUSAL_LM", r=model_args.lora_r, lora_alpha=model_args.lora_alpha,
+        task_type=model_args.lora_task_type, r=model_args.lora_r, lora_alpha=model_args.lora_alpha,
         lora_dropout=model_args.lora_dropout, target_modules=targets,
-        modules_to_save=model_args.lora_modules_to_save,
+        modules_to_save=model_args.lora_modules_to_save, use_rslora=model_args.use_rslora,
+        use_dora=model_args.use_dora,
     )
 
 
-def load_model_from(model_args: Any) -> Any:
-    from fusedalign.models import load_model
+def check_adapter_on_head(model_args: Any, args: Any) -> None:
+    """DoRA rescales each output row by a norm of the whole weight: not what the fused head computes."""
+    on_head = "lm_head" in (model_args.lora_target_modules or [])
+    if model_args.use_peft and model_args.use_dora and args.fused_head and on_head:
+        raise CLIError("--use_dora with lm_head in --lora_target_modules: the fused head trains plain LoRA on the "
+                       "output head; drop lm_head from the targets, or add --fused_head false.")
 
+
+def _load_kwargs(model_args: Any) -> dict[str, Any]:
+    """`from_pretrained` arguments the model flags ask for (the model's and its tokenizer's revision included)."""
     kwargs = {}
-    if model_args.attn_implementation:
-        kwargs["attn_implementation"] = model_args.attn_implementation
+    if model_args.model_revision != "main":
+        kwargs["revision"] = model_args.model_revision
     if model_args.trust_remote_code:
         kwargs["trust_remote_code"] = True
-    return load_model(model_args.model_name_or_path, dtype=model_args.dtype, **kwargs)
+    return kwargs
+
+
+def load_model_from(model_args: Any, args: Any = None) -> Any:
+    """The policy as the flags ask: `--dtype` (float32 by default, as TRL's), revision, attention; the
+    config's `model_init_kwargs`, when given, on top."""
+    from fusedalign.models import load_model
+
+    kwargs = _load_kwargs(model_args)
+    if model_args.attn_implementation:
+        kwargs["attn_implementation"] = model_args.attn_implementation
+    kwargs["dtype"] = model_args.dtype
+    kwargs.update(getattr(args, "model_init_kwargs", None) or {})
+    return load_model(model_args.model_name_or_path, **kwargs)
+
+
+def load_tokenizer_from(model_args: Any) -> Any:
+    """The tokenizer at the model's revision (None at `main`: the trainer loads it from the model's path)."""
+    if model_args.model_revision == "main":
+        return None
+    from fusedalign.models import load_tokenizer
+
+    return load_tokenizer(model_args.model_name_or_path, **_load_kwargs(model_args))
 
 
 def _expected_kinds(command: str, args: Any) -> str:
@@ -97,8 +127,10 @@ def build_trainer(command: str, script: Any, args: Any, model_args: Any, train: 
 
     trainer_cls = load(TRAINING_COMMANDS[command][1])
     try:
-        return trainer_cls(model=load_model_from(model_args), args=args, train_dataset=train, eval_dataset=evaluate,
-                           peft_config=peft_config_from(model_args))
+        check_adapter_on_head(model_args, args)
+        return trainer_cls(model=load_model_from(model_args, args), args=args, train_dataset=train,
+                           eval_dataset=evaluate, peft_config=peft_config_from(model_args),
+                           processing_class=load_tokenizer_from(model_args))
     except DataError as err:
         raise located_error(err, script.dataset_name, None) from None
 

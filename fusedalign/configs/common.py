@@ -5,8 +5,10 @@ Flag names follow TRL where the meaning is the same, so a TRL command line carri
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
+import torch
 from transformers import TrainingArguments
 from transformers.utils import logging
 
@@ -37,8 +39,12 @@ class ModelArguments:
     model_name_or_path: str | None = field(
         default=None, metadata={"help": "`builtin:tiny-qwen2` (tiny-llama, tiny-gemma2), a local path or a hub id."}
     )
-    dtype: str | None = field(
-        default=None, metadata={"help": "Weights dtype: float32, bfloat16, float16 or auto.", "aliases": ["--torch_dtype"]}
+    model_revision: str = field(default="main", metadata={"help": "The model's branch, tag or commit on the hub."})
+    dtype: str = field(
+        default="float32",
+        metadata={"help": "The dtype the weights are loaded in (TRL's default, float32: with --bf16, mixed precision "
+                  "over float32 weights); auto keeps the checkpoint's.",
+                  "choices": ["auto", "bfloat16", "float16", "float32"], "aliases": ["--torch_dtype"]},
     )
     attn_implementation: str | None = field(default=None, metadata={"help": "eager, sdpa, flash_attention_2, ..."})
     trust_remote_code: bool = field(default=False)
@@ -50,9 +56,35 @@ class ModelArguments:
         default=None, metadata={"help": "Modules to adapt; default all linear layers except lm_head. Add lm_head to adapt the head."}
     )
     lora_modules_to_save: list[str] | None = field(default=None)
+    lora_task_type: str = field(default="CAUSAL_LM", metadata={"help": "PEFT task type; only CAUSAL_LM trains here.",
+                                                              "choices": ["CAUSAL_LM"]})
+    use_rslora: bool = field(default=False, metadata={"help": "Rank-stabilised LoRA: scale adapters by "
+                                                              "lora_alpha / sqrt(r)."})
+    use_dora: bool = field(default=False, metadata={"help": "Weight-decomposed LoRA (DoRA); not on lm_head with the "
+                                                            "fused head."})
 
 
 TRUNCATION_MODES = ("keep_start", "keep_end")
+
+
+def default_bf16(args: TrainingArguments) -> bool:
+    """TRL's bf16=True where it can run: a CUDA device that supports it (bf16 autocast on a CPU is slow,
+    and no CPU demo wants it), unless fp16 or the CPU is asked for."""
+    return bool(not args.fp16 and not args.use_cpu and torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+
+
+def _init_kwargs(value: dict | str | None) -> dict | None:
+    """`model_init_kwargs` as a dict (JSON from a command line or a YAML string)."""
+    if value is None or isinstance(value, dict):
+        return value
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"model_init_kwargs must be a JSON object, e.g. '{{\"dtype\": \"bfloat16\"}}'; got {value!r} "
+                         f"({err.msg})") from None
+    if not isinstance(parsed, dict):
+        raise ValueError(f"model_init_kwargs must be a JSON object, e.g. '{{\"dtype\": \"bfloat16\"}}'; got {value!r}")
+    return parsed
 
 
 def check_choice(flag: str, value: object, choices: tuple) -> None:
@@ -92,12 +124,28 @@ class FusedAlignConfig(TrainingArguments):
     max_length: int | None = field(default=1024, metadata={"help": "Maximum tokens of prompt + completion."})
     dataset_num_proc: int | None = field(default=None)
     logging_steps: float = field(default=1)
-    remove_unused_columns: bool = field(default=False)
+    bf16: bool | None = field(default=None, metadata={"help": "bfloat16 mixed precision; default: on where a CUDA "
+                                                              "device supports it (TRL: always on)."})
+    remove_unused_columns: bool = field(
+        default=True, metadata={"help": "Accepted as in TRL; either value trains the same: each trainer reads "
+                                        "the columns of its data format itself."})
+    model_init_kwargs: dict | str | None = field(
+        default=None, metadata={"help": "from_pretrained's keyword arguments for a model given to the trainer by "
+                                        "name (a dict, or its JSON); dtype defaults to float32, as in TRL. The CLI "
+                                        "adds them to what --dtype and the other model flags ask for."})
     disable_dropout: bool = field(
         default=True, metadata={"help": "Set dropout to 0 in the policy and reference (as TRL does for DPO)."}
     )
 
     def __post_init__(self):
+        if self.bf16 is None:
+            self.bf16 = default_bf16(self)
+        self.model_init_kwargs = _init_kwargs(self.model_init_kwargs)
+        if self.label_smoothing_factor:
+            raise ValueError(
+                f"label_smoothing_factor {self.label_smoothing_factor:g}: the fused head computes the label's "
+                "log-probability, not the vocabulary mean that smoothing needs, so it would be ignored; leave it at 0"
+                + (" (DPO's own --label_smoothing is supported)." if "DPO" in type(self).__name__ else "."))
         # TRL's switch for its fused losses means "fused head" here. Trainer would
         # otherwise patch the model with Liger's own loss forward.
         if self.use_liger_kernel:

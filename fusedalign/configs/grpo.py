@@ -1,12 +1,9 @@
 """GRPOConfig: the arguments of `fusedalign grpo` and `GRPOTrainer`, with TRL 1.16's names and defaults.
 
-Departures from TRL's `_BaseConfig` defaults, on purpose:
-- `bf16` defaults to True only where a CUDA device supports it (TRL: always True, which
-  cannot run on a CPU); pass `--bf16 false` or `--bf16 true` to choose.
-- `gradient_checkpointing` stays False (TRL: True): a GRPO step is mostly generation, which
-  never checkpoints, and the CPU demo only loses time; turn it on for long completions.
-- `logging_steps` stays 1 (TRL: 10), as for every fusedalign trainer: the demo's curves are
-  per step.
+Departures from TRL's `_BaseConfig` defaults, on purpose, as for every fusedalign trainer
+(`configs/common.py`): `bf16` on only where a CUDA device supports it, `gradient_checkpointing`
+off (a GRPO step is mostly generation, which never checkpoints; turn it on for long
+completions), `logging_steps` 1. Also:
 - `max_prompt_length` (TRL 1.16 has no such field: prompts are never truncated) defaults to
   None, the same behaviour; set it to keep the last N prompt tokens.
 """
@@ -14,8 +11,6 @@ Departures from TRL's `_BaseConfig` defaults, on purpose:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import torch
 
 from fusedalign.configs.common import FusedAlignConfig, check_choice
 from fusedalign.configs.packed import MAX_TOKENS_HELP, PADDING_FREE_HELP, check_packed_batching
@@ -33,8 +28,9 @@ class GRPOConfig(FusedAlignConfig):
 
     output_dir: str | None = field(default="outputs/grpo")
     learning_rate: float = field(default=1e-6)
-    bf16: bool | None = field(default=None, metadata={"help": "bfloat16 mixed precision; default: on where a CUDA "
-                                                              "device supports it (TRL: always on)."})
+    remove_unused_columns: bool = field(
+        default=False, metadata={"help": "Accepted as in TRL; either value trains the same: the prompt and every "
+                                         "other column reach the reward functions."})
     disable_dropout: bool = field(default=False, metadata={"help": "Set dropout to 0 in the policy and reference."})
     max_length: int | None = field(default=None, metadata={"help": "Unused by GRPO: lengths are bounded by "
                                                                    "max_prompt_length and max_completion_length."})
@@ -145,9 +141,6 @@ class GRPOConfig(FusedAlignConfig):
     ref_model_name_or_path: str | None = field(default=None, metadata={"help": "Default: the policy's own path."})
 
     def __post_init__(self):
-        if self.bf16 is None:
-            self.bf16 = (not self.fp16 and not self.use_cpu and torch.cuda.is_available()
-                         and torch.cuda.is_bf16_supported())
         self.scale_rewards = {True: "group", False: "none", "true": "group", "false": "none"}.get(
             self.scale_rewards, self.scale_rewards)
         super().__post_init__()

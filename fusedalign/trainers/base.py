@@ -133,6 +133,14 @@ class FusedAlignTrainer(Trainer):
                 batch[PREPARED] = True
         return batches
 
+    def _remove_unused_columns(self, dataset: Any, description: str | None = None) -> Any:
+        """Nothing is dropped whatever `remove_unused_columns` says: each trainer reads the columns of its
+        data format itself (Trainer would keep only the model's forward arguments, which no row has)."""
+        return dataset
+
+    def _get_collator_with_removed_columns(self, data_collator: Any, description: str | None = None) -> Any:
+        return data_collator
+
     def _prepare_inputs(self, inputs):
         return inputs if isinstance(inputs, StepBatch) else super()._prepare_inputs(inputs)
 
@@ -258,7 +266,11 @@ class FusedAlignTrainer(Trainer):
             logs[prefix + name] = value
         if mode == "train" and "loss" in logs:
             logs["num_tokens"] = self.num_input_tokens_seen
+        self.complete_logs(logs, mode)
         super().log(logs, start_time)
+
+    def complete_logs(self, logs: dict[str, float], mode: str) -> None:
+        """Values a trainer logs as functions of the window's other values (none here)."""
 
     # ---------------------------------------------------------------- checkpoints
 

@@ -34,7 +34,8 @@ class Policy(NamedTuple):
 
 
 def model_dtype(args: Any) -> torch.dtype | None:
-    """The dtype to load models in: bf16/fp16 under those flags, else from_pretrained's default."""
+    """The dtype a frozen model (reference, teacher) loads in when none is asked for: bf16/fp16 under those
+    flags, else None."""
     if getattr(args, "bf16", False):
         return torch.bfloat16
     if getattr(args, "fp16", False):
@@ -46,7 +47,8 @@ def load_policy(model: nn.Module | str, args: Any, processing_class: Any = None,
     """Loads (or takes) the policy, its tokenizer and adapter, and applies the backbone options."""
     path = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", None)
     if isinstance(model, str):
-        model = load_model(model, dtype=model_dtype(args))
+        # As TRL: `model_init_kwargs` for from_pretrained, float32 weights unless they name a dtype.
+        model = load_model(model, **{"dtype": "float32", **(getattr(args, "model_init_kwargs", None) or {})})
     tokenizer = processing_class if processing_class is not None else load_tokenizer(path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token

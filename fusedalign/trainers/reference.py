@@ -47,7 +47,8 @@ def load_reference_model(ref_model: nn.Module | str | None, policy: Policy, args
         path = getattr(args, "ref_model_name_or_path", None) or policy.path
         if path is None:
             raise ValueError("No reference model given and the policy has no path to load a copy from; pass ref_model.")
-        # The reference in the policy's own dtype (e.g. `--dtype bfloat16` without `--bf16`).
+        # Frozen: in bf16 under --bf16 (autocast runs its matmuls in bf16 anyway; half the memory of
+        # float32 weights), else in the policy's own dtype (e.g. `--dtype bfloat16` without `--bf16`).
         ref_model = load_model(path, dtype=model_dtype(args) or getattr(policy.model, "dtype", None))
     if ref_model is not None:
         if getattr(args, "liger_kernels", False):

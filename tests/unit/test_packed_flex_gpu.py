@@ -40,10 +40,10 @@ class CountedAttention:
 def _train(tmp_path, **layout):
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    args = DPOConfig(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=8, learning_rate=1e-2,
-                     optim="sgd", lr_scheduler_type="constant", warmup_steps=0, beta=0.1, max_length=256,
-                     train_sampling_strategy="sequential", logging_steps=1, save_strategy="no", report_to="none",
-                     disable_tqdm=True, seed=0, **layout)
+    args = DPOConfig(output_dir=str(tmp_path), bf16=False, max_steps=3, per_device_train_batch_size=8,
+                     learning_rate=1e-2, optim="sgd", lr_scheduler_type="constant", warmup_steps=0, beta=0.1,
+                     max_length=256, train_sampling_strategy="sequential", logging_steps=1, save_strategy="no",
+                     report_to="none", disable_tqdm=True, seed=0, **layout)
     train = load_dataset_any("builtin:zen", "standard_preference", split="train")
     trainer = DPOTrainer(model="builtin:tiny-qwen2", args=args, train_dataset=train)
     with CountedAttention("flex_attention") as flex:
