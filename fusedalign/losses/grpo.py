@@ -31,6 +31,8 @@ from typing import Callable, NamedTuple
 import torch
 from torch import Tensor
 
+from fusedalign.metrics import Mean
+
 from .grpo_entropy import entropy_threshold, entropy_weight, high_entropy_mask, quantile  # noqa: F401 (re-exported)
 from .grpo_metrics import GRPOLossMetrics, clip_statistics, token_mean
 from .grpo_policy import (
@@ -169,14 +171,17 @@ def grpo_loss(
         loss_sum = (L * m).sum() / micro_batch_tokens.to(L.dtype).clamp(min=1.0)
     else:
         loss_sum = AGGREGATIONS[o.loss_type].loss_sum(L, m, o)
+    bonus = None
     if entropy is not None and not (isinstance(entropy_weight, float) and entropy_weight == 0.0):
         effective = m if entropy_mask is None else m * entropy_mask.to(m.dtype)
         loss_sum = loss_sum - entropy_weight * (entropy * effective).sum()
-    return GRPOLossOutput(loss_sum, count_items(mask, o.loss_type), _metrics(p, o, kl, entropy))
+        bonus = Mean((entropy * effective).detach().double().sum(-1), m.double().sum(-1))
+    return GRPOLossOutput(loss_sum, count_items(mask, o.loss_type), _metrics(p, o, kl, entropy, bonus))
 
 
-def _metrics(p: PolicyInputs, o: GRPOOptions, kl: Tensor | None, entropy: Tensor | None) -> GRPOLossMetrics:
-    stats: dict = {}
+def _metrics(p: PolicyInputs, o: GRPOOptions, kl: Tensor | None, entropy: Tensor | None,
+             bonus: Mean | None = None) -> GRPOLossMetrics:
+    stats: dict = {"bonus_entropy": bonus}
     sequence = o.importance_sampling_level == "sequence"  # the ratio p.coef is [B, 1], one per sequence
     if kl is not None:
         stats["kl"] = token_mean(kl, p.mask)

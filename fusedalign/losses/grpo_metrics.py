@@ -57,6 +57,9 @@ class GRPOLossMetrics(MetricSet):
     region_mean: Mean | None = _optional("clip_ratio/region_mean")
     cispo_clip_ratio: Mean | None = _optional("cispo_clip_ratio")
     vespo_phi_seq_mean: Mean | None = _optional("vespo/phi_seq_mean")
+    # With an entropy bonus: the entropy it sums (over its tokens) per loss token, so that the bonus taken
+    # off the loss is entropy_coef x this; the trainer logs TRL's `policy_loss` (the loss without it).
+    bonus_entropy: Mean | None = _optional("bonus_entropy")
 
 
 def clip_statistics(capped: Tensor, advantages: Tensor, mask: Tensor, low: float, high: float,

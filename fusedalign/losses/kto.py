@@ -154,6 +154,6 @@ def kto_batch_loss(policy_logps: Tensor, ref_logps: Tensor, kl: Tensor, desirabl
 
     result = example_losses(policy_logps, ref_logps.to(policy_logps), kl, desirable.bool(), opts)
     loss_sum = (result.losses * valid.to(result.losses.dtype)).sum()
-    uses_kl = opts.loss_type == "kto"
-    return loss_sum, kto_metrics(result.rewards, policy_logps, result.desirable, valid, kl if uses_kl else None,
-                                 **stats)
+    # A loss type without z0 (apo_zero_unpaired) logs kl 0, as TRL does.
+    z0 = kl if opts.loss_type == "kto" else torch.zeros((), dtype=policy_logps.dtype, device=policy_logps.device)
+    return loss_sum, kto_metrics(result.rewards, policy_logps, result.desirable, valid, z0, **stats)

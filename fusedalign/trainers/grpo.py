@@ -13,6 +13,7 @@ table against TRL 1.16).
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Sequence
 
 import torch
@@ -37,7 +38,8 @@ from fusedalign.rewards import RewardFunctions, load_reward_function, load_rewar
 from fusedalign.trainers.base import FusedAlignTrainer
 from fusedalign.trainers.grpo_batch import GRPOMicroBatch
 from fusedalign.trainers.grpo_rollout import GRPORollout
-from fusedalign.trainers.rollout_types import GroupAdvantages, Split
+from fusedalign.metrics import Mean
+from fusedalign.trainers.rollout_types import GroupAdvantages, Split, StepTime
 from fusedalign.trainers.policy import load_policy
 from fusedalign.trainers.preference_inputs import check_models
 from fusedalign.trainers.reference import Reference, load_reference_model
@@ -153,10 +155,33 @@ class GRPOTrainer(FusedAlignTrainer):
 
     # ------------------------------------------------------------------ the step
 
+    def serve(self, model: nn.Module, batches: list[dict[str, Any]], mode: str) -> list[GRPOMicroBatch]:
+        """The step's micro-batches from the rollout: a new window generated at the start of each, its
+        micro-batches then served in order, `num_iterations` times each."""
+        if mode != "train":
+            return [self.rollout.eval_batch(model, item["rows"], self.state) for item in batches]
+        prepared, again = [], []
+        for item in batches:
+            prepared.append(self.rollout.train_batch(model, item["rows"], self.state))
+            again.append(not self.rollout.window.last_was_first_use)
+        self._served_again = again
+        return prepared
+
+    def served(self, prepared: list[GRPOMicroBatch]) -> list[GRPOMicroBatch]:
+        """Notes which of the step's final micro-batches a window serves again (their tokens counted once)."""
+        again = getattr(self, "_served_again", [False] * len(prepared))
+        self._again_ids = {id(b) for b, repeat in zip(prepared, again) if repeat}
+        return prepared
+
+    def count_input_tokens(self, inputs: GRPOMicroBatch) -> torch.Tensor:
+        """A window's tokens count once (TRL's `num_tokens`), not again at each of its `num_iterations`."""
+        if id(inputs) in getattr(self, "_again_ids", ()):
+            return torch.zeros(())
+        return super().count_input_tokens(inputs)
+
     def prepare_step(self, model: nn.Module, batches: list[dict[str, Any]], mode: str) -> list[GRPOMicroBatch]:
         """Generates at the start of every window, then serves its micro-batches in order."""
-        serve = self.rollout.train_batch if mode == "train" else self.rollout.eval_batch
-        prepared = [serve(model, item["rows"], self.state) for item in batches]
+        prepared = self.serve(model, batches, mode)
         if self.args.entropy_coef > 0:
             # The bonus is coef x the entropy's mean over the step's loss tokens (every rank).
             totals = torch.stack([torch.stack([count_items(b.loss_mask, self.args.loss_type),
@@ -164,7 +189,7 @@ class GRPOTrainer(FusedAlignTrainer):
             totals = self.accelerator.reduce(totals, reduction="sum")
             weight = entropy_weight(self.args.entropy_coef, totals[0], totals[1])
             prepared = [b.replace(entropy_weight=weight) for b in prepared]
-        return prepared
+        return self.served(prepared)
 
     def count_items(self, inputs: GRPOMicroBatch) -> torch.Tensor:
         """The loss type's items: tokens (dapo, cispo, vespo), sequences, or the micro-batch (bnpo)."""
@@ -192,6 +217,27 @@ class GRPOTrainer(FusedAlignTrainer):
             micro_batch_tokens=batch.micro_batch_tokens,
         )
         return result.loss_sum, result.metrics
+
+    def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
+        self._step_started = time.perf_counter()  # the step's generation (when due) is timed with it
+        return super().get_batch_samples(epoch_iterator, num_batches, device)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        started = getattr(self, "_step_started", None)
+        if started is not None and self.accelerator.sync_gradients:  # the step's last micro-batch
+            seconds = torch.tensor(time.perf_counter() - started, dtype=torch.float64)
+            self.metrics.record("train", StepTime(Mean(seconds, torch.ones_like(seconds))))
+            self._step_started = None
+        return loss
+
+    def complete_logs(self, logs: dict[str, float], mode: str) -> None:
+        """With an entropy bonus, TRL's `policy_loss` (the loss without it) and `entropy_coef`."""
+        prefix = "eval_" if mode == "eval" else ""
+        entropy = logs.pop(prefix + "bonus_entropy", None)
+        if entropy is not None and prefix + "loss" in logs:
+            logs[prefix + "policy_loss"] = logs[prefix + "loss"] + self.args.entropy_coef * entropy
+            logs[prefix + "entropy_coef"] = self.args.entropy_coef
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         super().log(logs, start_time)

@@ -61,8 +61,7 @@ class RLOOTrainer(GRPOTrainer):
         return LeaveOneOut(args.beta, args.reward_clip_range, args.normalize_advantages)
 
     def prepare_step(self, model: nn.Module, batches: list, mode: str) -> list[GRPOMicroBatch]:
-        serve = self.rollout.train_batch if mode == "train" else self.rollout.eval_batch
-        return [serve(model, item["rows"], self.state) for item in batches]
+        return self.served(self.serve(model, batches, mode))
 
     def count_items(self, inputs: GRPOMicroBatch) -> torch.Tensor:
         """Sequences: TRL means the per-sequence losses of each micro-batch."""

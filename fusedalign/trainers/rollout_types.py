@@ -27,6 +27,12 @@ class CompletionMetrics(MetricSet):
     max_terminated_length: Max = logged_as("completions/max_terminated_length")
     generation_time: Mean | None = logged_as("generation_time")  # seconds a generation, mean over ranks
 
+    # A window in which no completion ended (all truncated) logs 0 for them, as TRL does.
+    derived = {name: (lambda logged, name=name: logged.get(name, 0.0) if "completions/mean_length" in logged
+                      else logged[name])
+               for name in ("completions/mean_terminated_length", "completions/min_terminated_length",
+                            "completions/max_terminated_length")}
+
     @classmethod
     def of(cls, lengths: torch.Tensor, truncated: torch.Tensor, seconds: float | None = None) -> "CompletionMetrics":
         """From one generation's completion lengths [n], truncation flags [n] and wall time on this rank."""
@@ -40,6 +46,13 @@ class CompletionMetrics(MetricSet):
             Min(torch.where(t, inf, n)), Max(torch.where(t, -inf, n)),
             None if seconds is None else Mean(share * seconds, share),
         )
+
+
+@dataclass(frozen=True)
+class StepTime(MetricSet):
+    """Seconds from the start of an optimizer step (its generation included) to its last backward, as TRL's."""
+
+    step_time: Mean = logged_as("step_time")
 
 
 @dataclass
@@ -58,6 +71,11 @@ class Window:
         batch = self.batches[self.served % len(self.batches)]
         self.served += 1
         return batch
+
+    @property
+    def last_was_first_use(self) -> bool:
+        """Whether the micro-batch `next` last gave was served for the first time (not a later iteration)."""
+        return 0 < self.served <= len(self.batches)
 
 
 @dataclass(frozen=True)
