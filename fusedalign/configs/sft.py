@@ -13,10 +13,11 @@ class SFTConfig(FusedAlignConfig):
 
     output_dir: str | None = field(default="outputs/sft")
     learning_rate: float = field(default=2e-5)
-    completion_only_loss: bool = field(
-        default=True,
-        metadata={"help": "Prompt-completion data: learn the completion tokens only (False: every token). "
-                  "Language-modeling data always learns every token."},
+    completion_only_loss: bool | None = field(
+        default=None,
+        metadata={"help": "Learn the completion tokens only (True: prompt-completion data only) or every token "
+                  "(False). None (default): the completion for prompt-completion data, every token for "
+                  "language-modeling data."},
     )
     assistant_only_loss: bool = field(
         default=False,
@@ -35,6 +36,11 @@ class SFTConfig(FusedAlignConfig):
         default=False,
         metadata={"help": "Concatenate each batch into one row with position_ids and no padding (implied by --packing)."},
     )
+    eval_packing: bool | None = field(
+        default=None,
+        metadata={"help": "TRL's flag: the eval split is packed exactly when the training split is, so None "
+                  "(default, as TRL: the value of --packing) or the value of --packing."},
+    )
 
     disable_dropout: bool = field(
         default=False,
@@ -45,5 +51,9 @@ class SFTConfig(FusedAlignConfig):
     def __post_init__(self):
         super().__post_init__()
         check_choice("truncation_mode", self.truncation_mode, TRUNCATION_MODES)
+        if self.eval_packing is not None and self.eval_packing != self.packing:
+            raise ValueError(f"eval_packing={self.eval_packing} with packing={self.packing}: the eval split is packed "
+                             "exactly when the training split is (TRL's default, eval_packing None); drop "
+                             "--eval_packing.")
         if self.packing and self.max_length is None:
             raise ValueError("packing needs max_length (the length of a packed row); set --max_length.")

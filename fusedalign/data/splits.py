@@ -2,8 +2,8 @@
 
 A split whose columns are already token ids (DPO: `prompt_ids`, `chosen_ids`,
 `rejected_ids`; KTO: `prompt_ids`, `completion_ids`, `label`; SFT: `input_ids` and
-optionally `completion_mask`) is used as it is: no text tokenisation, the same
-truncation rules, no column added.
+optionally `completion_mask`, which `completion_only_loss=False` sets aside) is used as it
+is: no text tokenisation, the same truncation rules, no column added.
 """
 
 from __future__ import annotations
@@ -88,7 +88,9 @@ def _truncate_tokenised(kind: str, dataset: Any, split: str, options: dict[str, 
 
 def _truncate_sft(row: dict, options: dict[str, Any]) -> dict:
     ids = row["input_ids"]
-    mask = row.get("completion_mask") or [1] * len(ids)
+    # completion_only_loss=False learns every token, whatever completion_mask the rows carry.
+    keep_mask = options.get("completion_only_loss") is not False
+    mask = (row.get("completion_mask") if keep_mask else None) or [1] * len(ids)
     limit = options.get("max_length")
     cut = limit is not None and len(ids) > limit
     if cut:

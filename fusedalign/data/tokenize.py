@@ -262,11 +262,30 @@ def tokenize_kto_row(
             "truncated": truncated}
 
 
+def completion_only(completion_only_loss: bool | None, fmt: DataFormat) -> bool:
+    """Whether SFT learns the completion alone, by TRL's rule for `completion_only_loss`.
+
+    None (the default) learns the completion of prompt-completion data and every token of
+    language-modeling data; False learns every token.
+
+    Raises:
+        DataError: True on language-modeling data, which has no completion to learn alone.
+    """
+    if fmt.kind != "language_modeling":
+        return completion_only_loss is not False
+    if completion_only_loss:
+        raise DataError(
+            f"completion_only_loss=True needs prompt-completion data (prompt and completion columns), but the "
+            f"dataset is {fmt.name}; leave it unset (None: every token of language-modeling data) or set it to false"
+        )
+    return False
+
+
 def tokenize_sft_row(
     row: Mapping,
     tokenizer: Any,
     *,
-    completion_only_loss: bool = True,
+    completion_only_loss: bool | None = None,
     assistant_only_loss: bool = False,
     max_length: int | None = None,
     truncation_mode: str = "keep_start",
@@ -276,9 +295,9 @@ def tokenize_sft_row(
     """Tokenises a language-modeling or prompt-completion row for SFT.
 
     `completion_mask` marks the tokens the loss is taken on: every token for language
-    modeling; for prompt-completion data, the completion only if `completion_only_loss`
-    (else every token); with `assistant_only_loss` (conversational data), only tokens
-    inside the template's `{% generation %}` markers (intersected with the above).
+    modeling; for prompt-completion data, the completion only unless `completion_only_loss`
+    is False (see `completion_only`); with `assistant_only_loss` (conversational data), only
+    tokens inside the template's `{% generation %}` markers (intersected with the above).
 
     Args:
         max_length: keep the first (`"keep_start"`) or last (`"keep_end"`) tokens.
@@ -289,6 +308,7 @@ def tokenize_sft_row(
     _check_mode(truncation_mode)
     fmt = _row_format(row, fmt, "sft")
     check_row(row, index, fmt)
+    prompt_mask = int(not completion_only(completion_only_loss, fmt))
     if assistant_only_loss and not fmt.conversational:
         raise DataError(f"assistant_only_loss needs conversational data, but the dataset is {fmt.name}")
     if fmt.kind == "language_modeling":
@@ -304,13 +324,13 @@ def tokenize_sft_row(
         prompt_ids, completion_ids, assistant = _split_chat(
             tokenizer, row["prompt"], row["completion"], index, "completion", assistant_only_loss)
         ids = prompt_ids + completion_ids
-        mask = [int(not completion_only_loss)] * len(prompt_ids) + [1] * len(completion_ids)
+        mask = [prompt_mask] * len(prompt_ids) + [1] * len(completion_ids)
         if assistant is not None:
             mask = [m & a for m, a in zip(mask, assistant)]
     else:
         prompt_ids, (completion_ids,) = _prompt_and_completions(row, tokenizer, fmt, ("completion",), index)
         ids = prompt_ids + completion_ids
-        mask = [int(not completion_only_loss)] * len(prompt_ids) + [1] * len(completion_ids)
+        mask = [prompt_mask] * len(prompt_ids) + [1] * len(completion_ids)
     if assistant_only_loss and not any(mask):
         raise DataError(
             f"{row_name(index)}, column {fmt.columns[-1]!r}: no assistant tokens to learn from with "
@@ -410,15 +430,21 @@ def prepare_kto_dataset(dataset: Any, tokenizer: Any, *, max_prompt_length: int 
                     max_length=max_length, truncation_mode=truncation_mode)
 
 
-def prepare_sft_dataset(dataset: Any, tokenizer: Any, *, completion_only_loss: bool = True,
+def prepare_sft_dataset(dataset: Any, tokenizer: Any, *, completion_only_loss: bool | None = None,
                         assistant_only_loss: bool = False, max_length: int | None = None,
                         truncation_mode: str = "keep_start", map_kwargs: dict | None = None):
     """Validates and tokenises a language-modeling or prompt-completion dataset for SFT.
 
     Returns:
         (dataset with columns `input_ids, completion_mask`, `TokenizeStats`).
+
+    Raises:
+        DataError: as `_prepare`; and `completion_only_loss=True` on language-modeling data,
+            once for the dataset rather than at its first row.
     """
     _check_mode(truncation_mode)
+    if completion_only_loss and len(dataset):
+        completion_only(completion_only_loss, detect_format(dataset, "sft"))
     return _prepare(dataset, tokenizer, "sft", tokenize_sft_row, map_kwargs=map_kwargs,
                     assistant_only_loss=assistant_only_loss, completion_only_loss=completion_only_loss,
                     max_length=max_length, truncation_mode=truncation_mode)

@@ -135,3 +135,29 @@ def test_pad_to_multiple_of_auto_is_trls_default_and_pads_nothing(command, tmp_p
     assert main([command, "--pad_to_multiple_of", "eight", "--output_dir", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "pad_to_multiple_of must be a positive number of tokens, auto or None" in err
+
+
+def test_completion_only_loss_true_on_language_modeling_data_is_one_line(tmp_path, capsys):
+    """The SFT demo's data is language modeling: TRL's default (None) learns every token; True has nothing to mask."""
+    assert main(["sft", "--completion_only_loss", "true", "--max_steps", "1", "--output_dir", str(tmp_path / "run")]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # after the demo's banner
+    assert last.startswith("fusedalign sft: error: dataset builtin:zen: completion_only_loss=True needs "
+                           "prompt-completion data"), last
+
+
+@pytest.mark.parametrize("flags,ok", [([], True), (["--eval_packing", "false"], True),
+                                      (["--packing", "--eval_packing", "true"], True),
+                                      (["--packing", "--eval_packing", "false"], False),
+                                      (["--eval_packing", "true"], False)])
+def test_eval_packing_is_accepted_where_it_asks_for_what_runs(flags, ok, tmp_path, capsys):
+    """The eval split is packed exactly when the training split is: TRL's default (None) or --packing's value."""
+    from fusedalign.cli.help import dataclass_types
+    from fusedalign.cli.parsing import parse
+
+    argv = [*flags, "--output_dir", str(tmp_path / "run")]
+    if ok:
+        assert parse("sft", dataclass_types("sft"), argv, announce=False)[1].eval_packing in (None, "--packing" in flags)
+        return
+    assert main(["sft", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "the eval split is packed exactly when the training split is" in err, err

@@ -401,6 +401,31 @@ def test_sft_prompt_completion_masks(tok):
     assert scored == "counts.<|im_end|>\n"
 
 
+def test_sft_completion_only_loss_follows_trls_rule(tok):
+    """TRL 1.16: None (the default) learns the completion of prompt-completion data and every token of
+    language-modeling data; False every token; True is for prompt-completion data only."""
+    from fusedalign.configs import SFTConfig
+    from fusedalign.data.splits import prepare_split
+
+    assert SFTConfig(use_cpu=True).completion_only_loss is None
+    pc, lm = {"prompt": "Readability", "completion": " counts."}, {"text": "Readability counts."}
+    n_prompt = len(ids(tok, "Readability", special=True))
+    for value in (None, True):
+        mask = tokenize_sft_row(pc, tok, completion_only_loss=value)["completion_mask"]
+        assert mask == [0] * n_prompt + [1] * (len(mask) - n_prompt)
+    for value in (None, False):
+        assert all(tokenize_sft_row(lm, tok, completion_only_loss=value)["completion_mask"])
+    with pytest.raises(DataError, match="completion_only_loss=True needs prompt-completion data"):
+        tokenize_sft_row(lm, tok, completion_only_loss=True)
+    with pytest.raises(DataError, match=r"^completion_only_loss=True .* standard_language_modeling; leave it unset"):
+        prepare_sft_dataset(Dataset.from_list([lm, lm]), tok, completion_only_loss=True)
+    # Tokenised rows: their completion_mask, unless completion_only_loss is False.
+    rows = Dataset.from_list([{"input_ids": [5, 6, 7], "completion_mask": [0, 1, 1]}])
+    for value, want in ((None, [0, 1, 1]), (True, [0, 1, 1]), (False, [1, 1, 1])):
+        out = prepare_split("sft", rows, tok, "train", completion_only_loss=value)
+        assert out[0]["completion_mask"] == want
+
+
 def test_sft_assistant_only_loss(tok, no_template_tok):
     messages = user("Now is") + assistant("better than never.") + user("Although") + assistant("never.")
     out = tokenize_sft_row({"messages": messages}, tok, assistant_only_loss=True)
