@@ -3,7 +3,7 @@
 `zen_words` is the one the embedded tiny model visibly learns in minutes on a CPU: the share
 of a completion's words that are words of the Zen of Python (`fusedalign/resources/zen.txt`).
 The others are factories (`char_class_reward("aeiou")`, `regex_reward(r"\\.$")`,
-`length_reward(16)`); `BUILTIN_REWARDS` names them for `--reward_funcs`.
+`length_reward(16)`); `think_format_reward` is TRL's. `BUILTIN_REWARDS` names them for `--reward_funcs`.
 """
 
 from __future__ import annotations
@@ -90,10 +90,25 @@ def length_reward(target: int, *, unit: str = "words", name: str | None = None) 
     return length
 
 
+_THINK = re.compile(r"^<think>(?!.*<think>)(.*?)</think>.*$", re.DOTALL | re.MULTILINE)
+
+
+def think_format_reward(completions: Sequence, **kwargs: Any) -> list[float]:
+    """TRL's `think_format_reward` (trl/rewards/format_rewards.py): 1.0 where the completion starts with one
+    `<think>...</think>` block (no second `<think>`), else 0.0.
+
+    TRL reads a conversational completion's first message; a standard (string) completion is read
+    as it is (TRL's function takes conversational completions only).
+    """
+    texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
+    return [1.0 if _THINK.match(text) else 0.0 for text in texts]
+
+
 # Short names for --reward_funcs (each a ready reward function).
 BUILTIN_REWARDS: dict[str, Callable[[], Callable]] = {
     "zen_words": lambda: zen_words,
     "vowels": lambda: char_class_reward("aeiou", name="vowels"),
     "ends_with_period": lambda: regex_reward(r"\.$", name="ends_with_period"),
     "length": lambda: length_reward(16, unit="words"),
+    "think_format_reward": lambda: think_format_reward,  # the name TRL's `trl grpo` script gives it
 }

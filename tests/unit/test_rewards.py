@@ -163,6 +163,41 @@ def test_loading_short_names_and_dotted_paths(tmp_path, monkeypatch):
         load_reward_function("zen")
 
 
+def _trls_think_format_reward(completions, **kwargs):
+    """TRL 1.16's trl/rewards/format_rewards.py, as written there."""
+    import re
+
+    pattern = r"^<think>(?!.*<think>)(.*?)</think>.*$"
+    completion_contents = [completion[0]["content"] for completion in completions]
+    matches = [re.match(pattern, content, re.DOTALL | re.MULTILINE) for content in completion_contents]
+    return [1.0 if match else 0.0 for match in matches]
+
+
+THINK_TEXTS = ["<think>\nThis is my reasoning.\n</think>\nThis is my answer.",  # TRL's docstring examples
+               "<think>\nThis is my reasoning.\nThis is my answer.",
+               "<think></think>", "<think>a</think>b</think>", "<think>a<think>b</think>", " <think>a</think>",
+               "x\n<think>a</think>", "<think>a\n\nb</think>\n\nc", "", "</think><think>a</think>"]
+
+
+def test_think_format_reward_is_trls():
+    conversational = [[{"role": "assistant", "content": t}] for t in THINK_TEXTS]
+    want = _trls_think_format_reward(conversational)
+    assert want[:2] == [1.0, 0.0] and 0.0 < sum(want) < len(want)
+    think = load_reward_function("think_format_reward")
+    assert think(conversational) == want and think(THINK_TEXTS) == want  # strings read as they are
+    assert RewardFunctions([think]).names == ["think_format_reward"]  # TRL's metric name
+
+
+@pytest.mark.parametrize("name,how", [("accuracy_reward", "trl.rewards.accuracy_reward"),
+                                      ("reasoning_accuracy_reward", "trl.rewards.reasoning_accuracy_reward"),
+                                      ("get_soft_overlong_punishment", "max_completion_len=1280, soft_punish_cache=256")])
+def test_the_other_names_of_trls_script_say_how_to_load_them(name, how):
+    with pytest.raises(RewardError, match=rf"^--reward_funcs '{name}': a reward built into TRL's `trl grpo` script, "
+                                          "not into fusedalign; give it as a dotted path") as err:
+        load_reward_function(name)
+    assert how in str(err.value) and "\n" not in str(err.value)
+
+
 # ------------------------------------------------------------------ reward models
 
 
