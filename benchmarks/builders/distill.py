@@ -117,7 +117,7 @@ def build_trl(s, output_dir, prompts, tokenizer, callback, timers):
 def build_ours(run, s, output_dir, prompts, tokenizer, callback, timers):
     from datasets import Dataset
 
-    from benchmarks.builders.grpo import packing_args
+    from benchmarks.builders.grpo import WEIGHTS, packing_args
     from fusedalign.configs import DistillationConfig
     from fusedalign.generation import GenerationOutput
     from fusedalign.trainers import distillation
@@ -128,7 +128,8 @@ def build_ours(run, s, output_dir, prompts, tokenizer, callback, timers):
         return dataset, None if dataset is None else Split(conversational=False)
 
     packing = packing_args(s) if run.padding_free else {}
-    args = DistillationConfig(**distill_args(s, output_dir), generation_backend=run.generation_backend, **packing)
+    args = DistillationConfig(**distill_args(s, output_dir), model_init_kwargs={"dtype": WEIGHTS[s.dtype]},
+                              generation_backend=run.generation_backend, **packing)
     index = list(range(len(prompts)))
     rows = Dataset.from_dict({"prompt": [str(i) for i in index], "prompt_ids": prompts, "row_index": index})
     with mock.patch.object(distillation, "_prepare_split", given_split):

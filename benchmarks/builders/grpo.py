@@ -109,6 +109,9 @@ def lower_half_reward(vocab: int):
     return lower_half
 
 
+WEIGHTS = {"bf16": "bfloat16", "fp32": "float32"}  # the policy's weights, given to both trainers by name
+
+
 def grpo_args(s, output_dir: str) -> dict:
     """TRL's names, the same values for both trainers."""
     completions = s.prompts * s.num_generations
@@ -220,7 +223,8 @@ def build_ours(run, s, output_dir, prompts, tokenizer, callback, timers, reward)
             return dataset, None if dataset is None else Split(conversational=False)
 
     packing = packing_args(s, share_prompt=run.share_prompt) if run.padding_free else {}
-    args = GRPOConfig(**grpo_args(s, output_dir), compile_generation=run.compile_generation,
+    args = GRPOConfig(**grpo_args(s, output_dir), model_init_kwargs={"dtype": WEIGHTS[s.dtype]},
+                      compile_generation=run.compile_generation,
                       generation_backend=run.generation_backend, compile_layers=run.compile_layers,
                       fused_sampling=run.fused_sampling, decode_kernel=run.decode_kernel, **packing)
     index = list(range(len(prompts)))
