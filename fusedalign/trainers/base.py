@@ -266,6 +266,8 @@ class FusedAlignTrainer(Trainer):
             logs[prefix + name] = value
         if mode == "train" and "loss" in logs:
             logs["num_tokens"] = self.num_input_tokens_seen
+        elif mode == "eval":  # TRL logs the training count in evaluation too
+            logs["eval_num_tokens"] = self.num_input_tokens_seen
         self.complete_logs(logs, mode)
         super().log(logs, start_time)
 

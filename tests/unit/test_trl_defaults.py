@@ -167,3 +167,13 @@ def test_under_bf16_the_policy_keeps_float32_weights_and_the_reference_loads_in_
                          train_dataset=rows)
     assert next(trainer.model.parameters()).dtype == torch.float32
     assert next(trainer.reference.model.parameters()).dtype == torch.bfloat16
+
+
+def test_evaluation_logs_the_training_num_tokens_as_trl(tmp_path):
+    out = tmp_path / "run"
+    assert main(["dpo", "--max_steps", "2", "--eval_strategy", "steps", "--eval_steps", "1",
+                 "--output_dir", str(out)]) == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    trained = {r["step"]: r["num_tokens"] for r in records if "num_tokens" in r}
+    evaluated = {r["step"]: r["eval_num_tokens"] for r in records if "eval_num_tokens" in r}
+    assert evaluated == trained and len(evaluated) == 2 and trained[1] < trained[2]
