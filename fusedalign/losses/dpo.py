@@ -85,7 +85,8 @@ def check_dpo_args(
     if not beta > 0:
         raise ValueError(f"beta must be > 0, got beta={beta}.")
     if not 0.0 <= label_smoothing <= 0.5:
-        raise ValueError(f"label_smoothing must lie in [0, 0.5], got {label_smoothing}.")
+        raise ValueError(f"label_smoothing must lie in [0, 0.5] (an assumed rate of flipped labels: above 0.5, swap "
+                         f"chosen and rejected), got {label_smoothing}.")
     if "robust" in types and label_smoothing >= 0.5:
         raise ValueError(
             "loss_type='robust' divides by 1 - 2 * label_smoothing: use label_smoothing < 0.5."

@@ -161,3 +161,38 @@ def test_eval_packing_is_accepted_where_it_asks_for_what_runs(flags, ok, tmp_pat
     assert main(["sft", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "the eval split is packed exactly when the training split is" in err, err
+
+
+@pytest.mark.parametrize("command,flags,flag", [
+    ("dpo", ["--loss_type", "exo_pair", "--label_smoothing", "0.6"], "label_smoothing"),
+    ("dpo", ["--loss_type", "robust", "--label_smoothing", "0.5"], "robust"),
+    ("grpo", ["--entropy_coef", "-0.01"], "entropy_coef"),
+    ("grpo", ["--epsilon", "1.0"], "epsilon"),
+    ("grpo", ["--delta", "1.0"], "delta"),
+    ("grpo", ["--max_completion_length", "None"], "max_completion_length"),
+])
+def test_validations_stricter_than_trls_are_one_line(command, flags, flag, tmp_path, capsys):
+    """The README's row of values TRL 1.16 runs and fusedalign refuses (SFT's completion_only_loss: above)."""
+    assert main([command, *flags, "--output_dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith(f"fusedalign {command}: error: ") and flag in err, err
+
+
+@pytest.mark.parametrize("command,flags,ok", [
+    ("rloo", ["--loss_type", "dapo", "--entropy_coef", "0"], True),  # GRPO's defaults: accepted, nothing changes
+    ("rloo", ["--loss_type", "grpo"], False),
+    ("distillation", ["--loss_type", "dapo", "--num_generations", "1"], True),  # distillation's own values
+    ("distillation", ["--num_generations", "8"], False),  # GRPO's default, not what distillation runs
+])
+def test_grpo_flags_of_rloo_and_distillation_pass_only_at_the_value_that_runs(command, flags, ok, tmp_path, capsys):
+    from fusedalign.cli.help import dataclass_types
+    from fusedalign.cli.parsing import parse
+
+    argv = [*flags, "--output_dir", str(tmp_path / "run")]
+    if ok:
+        plain = parse(command, dataclass_types(command), argv[-2:], announce=False)
+        assert parse(command, dataclass_types(command), argv, announce=False) == plain
+        return
+    assert main([command, *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"--{flags[0][2:]} is an option of GRPO" in err, err
