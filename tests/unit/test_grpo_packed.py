@@ -1,7 +1,8 @@
 """GRPO and RLOO on packed rows (`padding_free`, `share_prompt`, `max_tokens_per_batch`): the plan of
 micro-batches, and training equal to padded unfused training for every loss type, with beta > 0,
-num_iterations 2, uneven completions (one-token and truncated ones) and a budget just above the
-longest group; gradient checkpointing (and its offload) on packed rows changes nothing."""
+num_iterations 2, uneven completions (one-token and truncated ones, in the loss with
+mask_truncated_completions off, out of it with it on) and a budget just above the longest group;
+gradient checkpointing (and its offload) on packed rows changes nothing."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from fusedalign.data.formats import DataError
 from fusedalign.data.grpo_packing import OVER_BUDGET, pack_completions, plan_micro_batches
 from fusedalign.data.packed_rows import group_tokens
 from fusedalign.data.prompts import prepare_prompt_dataset
+from fusedalign.generation import Replay
 from fusedalign.models import load_model, load_tokenizer
 from fusedalign.trainers.grpo import GRPOTrainer
 from fusedalign.trainers.grpo_packed_batch import PackedGRPOMicroBatch, PackedGRPOParts
@@ -41,6 +43,16 @@ def prompts() -> Dataset:
 def replay():
     # Every 3rd completion truncated (no EOS), lengths 1..11: one-token completions, with and without EOS.
     return uneven_replay(ROWS, G, load_tokenizer(MODEL).eos_token_id, truncate_every=3)
+
+
+@pytest.fixture(scope="module")
+def replay_with_eos_only(replay):
+    """The replay with completion (0, 1) only an EOS: the first generation holds it and the one-token
+    truncated completion (0, 0)."""
+    records = dict(replay.records)
+    records[(0, 1)] = ([load_tokenizer(MODEL).eos_token_id], False, None)
+    assert records[(0, 0)][1] and len(records[(0, 0)][0]) == 1
+    return Replay(records)
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +96,22 @@ def _step_advantages(seen) -> list[list[float]]:
     return [sorted(float(a) for b in step for a in b.advantages) for step in seen.by_step()]
 
 
-def _assert_same_training(packed, padded):
-    assert len(packed[0]) == len(padded[0]) >= 4
+def _loss_tokens(seen) -> list[list[int]]:
+    """Each optimizer step's per-completion loss-token counts, sorted."""
+    return [sorted(int(n) for b in step for n in b.loss_mask.sum(-1)) for step in seen.by_step()]
+
+
+def _assert_loss_tokens(seen, replay, mask_truncated: bool):
+    """Step s trains generation s // 2 (2 prompts x G, rows 2 (s // 2) and the next, num_iterations 2): its
+    completions' loss tokens are their lengths, EOS included; 0 for a truncated one when masked."""
+    steps = _loss_tokens(seen)
+    for s, got in enumerate(steps):
+        records = [replay.records[(r, g)] for r in (2 * (s // 2), 2 * (s // 2) + 1) for g in range(G)]
+        assert got == sorted(0 if truncated and mask_truncated else len(ids) for ids, truncated, _ in records), s
+
+
+def _assert_same_training(packed, padded, steps: int = 4):
+    assert len(packed[0]) == len(padded[0]) >= steps
     for step, (a, b) in enumerate(zip(packed[0], padded[0])):
         assert set(a) == set(b)
         for key in COMPARED:
@@ -93,7 +119,7 @@ def _assert_same_training(packed, padded):
                 assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (step, key)
     assert any(e.get("kl", 0) > 0 for e in padded[0])  # beta > 0 reached the loss
     packed_steps, padded_steps = _step_advantages(packed[2]), _step_advantages(padded[2])
-    assert len(packed_steps) == len(padded_steps) >= 4
+    assert len(packed_steps) == len(padded_steps) >= steps
     for a, b in zip(packed_steps, padded_steps):
         assert a == pytest.approx(b, rel=1e-6, abs=1e-7)
     for key, value in padded[1].items():
@@ -121,6 +147,8 @@ def test_packed_shared_prompt_grpo_equals_padded_unfused(tmp_path, prompts, repl
                         max_tokens_per_batch=budget)
     _assert_same_training(packed, padded)
     _assert_packed(packed[2], budget)
+    _assert_loss_tokens(padded[2], replay, mask_truncated=True)
+    _assert_loss_tokens(packed[2], replay, mask_truncated=True)
     if loss_type != "bnpo":
         assert all(len(set(b.rows.sequence_group.tolist())) == 1 for b in packed[2])  # one group a row
         assert len(packed[2]) == len(padded[2])  # one row a micro-batch
@@ -140,7 +168,30 @@ def test_micro_batches_over_the_budget_train_in_parts_equal_to_padded_unfused(tm
                         max_tokens_per_batch=budget)
     _assert_same_training(packed, padded)
     _assert_packed(packed[2], budget)
+    _assert_loss_tokens(packed[2], replay, mask_truncated=True)
     assert len(packed[2]) > len(padded[2])  # more forwards than micro-batches
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_unmasked_one_token_and_truncated_completions_train_in_parts_equal_to_padded(
+        tmp_path, prompts, replay_with_eos_only, longest_completion, loss_type):
+    """mask_truncated_completions off (TRL's default): the first generation's EOS-only completion, its
+    one-token truncated one and its longer truncated ones are in the loss, and training on them packed
+    in parts (a budget just above one completion: rows of a few completions) equals padded training,
+    on-policy and off-policy (2 steps, to keep the time down)."""
+    replay, budget = replay_with_eos_only, longest_completion + 1
+    common = dict(loss_type=loss_type, mask_truncated_completions=False, max_steps=2)
+    padded = _train(tmp_path / "p", prompts, replay, fused_head=False, **common)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        packed = _train(tmp_path / "k", prompts, replay, padding_free=True, share_prompt=True,
+                        max_tokens_per_batch=budget, **common)
+    _assert_same_training(packed, padded, steps=2)
+    _assert_packed(packed[2], budget)
+    assert len(packed[2]) > len(padded[2])  # more forwards than micro-batches
+    for run in (padded, packed):
+        _assert_loss_tokens(run[2], replay, mask_truncated=False)
+        assert all(tokens[:2] == [1, 1] for tokens in _loss_tokens(run[2]))  # the two one-token completions
 
 
 def test_the_entropy_bonus_in_parts_equals_padded(tmp_path, prompts, replay, longest_completion):
@@ -206,14 +257,25 @@ def test_a_window_over_several_optimizer_steps_keeps_each_steps_completions(tmp_
 @pytest.mark.parametrize("parts", [False, True], ids=["rows", "parts"])
 def test_packed_shared_prompt_rloo_equals_padded_unfused(tmp_path, prompts, replay, longest_group, longest_completion,
                                                          parts):
-    """A budget just above the longest group (one row a micro-batch), or just above one completion (in parts)."""
+    """A budget just above the longest group (one row a micro-batch), or just above one completion (in parts).
+    Truncated completions in the loss: each off-policy step (num_iterations 2) clips some sequences and
+    not others, so its gradient is not 0 and the packed log-ratios must match the padded ones, not merely
+    fall on the same side of the clip."""
     budget = (longest_completion if parts else longest_group) + 1
-    common = dict(trainer_cls=RLOOTrainer, config_cls=RLOOConfig, beta=0.05)
+    common = dict(trainer_cls=RLOOTrainer, config_cls=RLOOConfig, beta=0.05, mask_truncated_completions=False)
     padded = _train(tmp_path / "p", prompts, replay, fused_head=False, **common)
     packed = _train(tmp_path / "k", prompts, replay, padding_free=True, share_prompt=True,
                     max_tokens_per_batch=budget, **common)
     _assert_same_training(packed, padded)
     _assert_packed(packed[2], budget)
+    _assert_loss_tokens(packed[2], replay, mask_truncated=False)
+    for run in (padded, packed):
+        off_policy = [e for e in run[0] if "reward" not in e]  # the steps that do not generate
+        assert len(off_policy) == 2
+        for e in off_policy:
+            assert e["grad_norm"] > 0 and 0 < e["clip_ratio/region_mean"] < 1, e
+    for a, b in zip(packed[0], padded[0]):
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4, abs=1e-6)
     assert (len(packed[2]) > len(padded[2])) == parts  # parts: more forwards than micro-batches
 
 
