@@ -88,8 +88,9 @@ def test_first_update_is_the_reinforce_gradient_with_leave_one_out_advantages(tm
 
 def test_the_kl_is_taken_off_the_reward_per_sequence(tmp_path, prompts, replay):
     """Second generation (the policy has moved): the strategy receives, per completion, the sum over
-    its tokens of policy minus reference log-probs (by hand, unfused), and the advantages are the
-    leave-one-out ones of reward - beta x that sum."""
+    its tokens of policy minus reference log-probs (by hand, unfused), the advantages are the
+    leave-one-out ones of reward - beta x that sum, and the logged kl is those sums' total over the
+    generation batch's completion tokens."""
     seen = []
     torch.manual_seed(0)
     trainer = RLOOTrainer(load_model(MODEL), reward_funcs=token_sum_reward,
@@ -116,8 +117,12 @@ def test_the_kl_is_taken_off_the_reward_per_sequence(tmp_path, prompts, replay):
     rewards = torch.tensor(token_sum_reward([replay.records[k][0] for k in keys]), dtype=torch.float64)
     torch.testing.assert_close(adv.advantages.double(), _leave_one_out((rewards - 0.5 * kl.double()).tolist()),
                                rtol=1e-5, atol=1e-6)
+    # The logged kl is TRL 1.16's: the token mean of old - ref log-probs over the generation batch's
+    # completion tokens (EOS included; none masked here), not the mean of the sequence sums.
+    tokens = sum(len(replay.records[k][0]) for k in keys)
     logged = [e for e in trainer.state.log_history if "kl" in e]
-    assert logged[1]["kl"] != 0.0
+    assert len(logged) == 2 and tokens != len(keys)
+    assert logged[1]["kl"] == pytest.approx(float(want.sum()) / tokens, rel=1e-4, abs=1e-7)
 
 
 def test_the_second_update_of_a_generation_is_off_policy_and_clips(tmp_path, prompts, replay):
