@@ -60,6 +60,8 @@ CASES = [
     dict(temperature=0.7),
     dict(temperature=2.0, teacher_temperature=0.5),
     dict(softcap=3.0, teacher_softcap=2.5, logit_scale=1.5, teacher_logit_scale=0.8),
+    # Post-processing and temperature together: the order (scale, cap, then / T) matters here.
+    dict(softcap=3.0, teacher_softcap=2.5, logit_scale=1.5, teacher_logit_scale=0.8, temperature=0.7),
 ]
 
 
@@ -91,6 +93,55 @@ def test_reference_is_trls_formula(beta, temperature):
     torch.testing.assert_close(d, trl_jsd(zs, zt, beta, temperature), rtol=1e-12, atol=1e-14)
     s = F.log_softmax(zs / temperature, -1)
     torch.testing.assert_close(entropy, -(s.exp() * s).sum(-1))
+
+
+def trl_transform(z, logit_scale, softcap):
+    """TRL 1.16's `_torch_transform` before the temperature (kernels/chunked_logprob.py): scale, then cap."""
+    z = z * logit_scale
+    return softcap * torch.tanh(z / softcap)
+
+
+@pytest.mark.parametrize("beta", BETAS)
+def test_scaled_soft_capped_heads_at_a_temperature_are_trls_formula(beta):
+    """Both backends, from the raw heads: TRL's divergence of cap tanh(scale a / cap) / T for each model
+    (its order: the scale, the soft-cap, then the temperature), and the student's entropy there."""
+    post = dict(softcap=3.0, teacher_softcap=2.5, logit_scale=1.5, teacher_logit_scale=0.8)
+    t, labels = _inputs(seed=5, scale=4.0)
+    a = t["hidden"] @ t["weight"].t() + t["bias"]
+    at = t["teacher_hidden"] @ t["teacher_weight"].t() + t["teacher_bias"]
+    zs, zt = trl_transform(a, 1.5, 3.0), trl_transform(at, 0.8, 2.5)
+    assert (zs.abs() > 2.0).any() and (zt.abs() > 1.5).any()  # the caps bend the logits
+    want = trl_jsd(zs, zt, beta, 0.7).detach()
+    s = F.log_softmax(zs / 0.7, -1).detach()
+    keep = labels != -100
+    for backend in ("torch", "reference"):
+        out = divergence_head(t["hidden"], t["weight"], labels, t["teacher_hidden"], t["teacher_weight"], t["bias"],
+                              t["teacher_bias"], beta=beta, temperature=0.7, backend=backend, **post)
+        torch.testing.assert_close(out.divergence[keep], want[keep], rtol=1e-10, atol=1e-12, msg=backend)
+        torch.testing.assert_close(out.entropy[keep], -(s.exp() * s).sum(-1)[keep], msg=backend)
+        assert (out.divergence[~keep] == 0).all()
+
+
+def test_a_custom_ignore_index_is_the_one_left_out():
+    """ignore_index=7: the tokens labelled 7 give exactly 0 and no gradient, and those labelled -100
+    (only an id here) are scored like any other: the rest equals the reference with every token scored."""
+    t, labels = _inputs(seed=9)
+    labels[labels == 7] = 8
+    labels[[0, 4, 11]] = 7
+    ignored = labels == 7
+    assert (labels == -100).sum() == 3
+    every = torch.zeros_like(labels)  # no token ignored
+    for chunks in (dict(), dict(chunk_size=4, vocab_chunk_size=10)):
+        out, grads = _run(t, labels, beta=0.5, ignore_index=7, **chunks)
+        ref = divergence_head(t["hidden"], t["weight"], every, t["teacher_hidden"], t["teacher_weight"], t["bias"],
+                              t["teacher_bias"], beta=0.5, backend="reference")
+        assert (out.divergence[ignored] == 0).all() and (out.divergence[~ignored] > 0).all()
+        torch.testing.assert_close(out.divergence[~ignored], ref.divergence[~ignored], rtol=1e-10, atol=1e-12)
+        upstream = torch.linspace(-1.0, 2.0, labels.shape[0], dtype=ref.divergence.dtype).masked_fill(ignored, 0.0)
+        want = torch.autograd.grad((ref.divergence * upstream).sum(), [t["hidden"], t["weight"], t["bias"]])
+        for got, w in zip(grads, want):
+            torch.testing.assert_close(got, w, rtol=1e-9, atol=1e-12)
+        assert (grads[0][ignored] == 0).all() and (grads[0][labels == -100].abs().sum(-1) > 0).all()
 
 
 def test_endpoints_are_the_two_kls():
@@ -212,6 +263,47 @@ def test_no_tensor_of_half_the_logits_is_alive(vocab_chunk_size):
         divergence_head(t["hidden"], t["weight"], labels, t["teacher_hidden"], t["teacher_weight"], beta=0.5,
                         backend="reference")
     assert ref.max_numel >= scored_nv
+
+
+def test_no_tensor_of_half_the_logits_is_created_through_the_models():
+    """`token_divergence(fused=True)` on tiny-qwen2 (student) and tiny-llama (teacher), forward and
+    backward: no op creates a tensor of half the scored tokens' logits (0.5 N V), so neither model's
+    head nor `logits_to_keep` materialises logits before the fused op; the unfused path does. The op's
+    blocks are held to 32 rows (the default budget would give a tiny batch one block of all its rows)."""
+    from fusedalign.distill_head import token_divergence
+    from fusedalign.models import load_model
+
+    torch.manual_seed(0)
+    student, teacher = load_model("builtin:tiny-qwen2"), load_model("builtin:tiny-llama")
+    v = student.config.vocab_size
+    assert teacher.config.vocab_size == v
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, v, (4, 48), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, -5:] = 0  # a right-padded row
+    labels = torch.roll(ids, -1, dims=1)
+    labels[:, -1] = -100
+    labels[0, :6] = -100  # an unscored prompt
+    labels[1, -6:] = -100
+    inputs = {"input_ids": ids, "attention_mask": mask}
+    bound = int((labels != -100).sum()) * v // 2
+    # The bound must be above every weight (and so its gradient) for the test to see the logits alone.
+    assert max(p.numel() for m in (student, teacher) for p in m.parameters()) < bound
+    fwd, bwd = NumelRecorder(), NumelRecorder()
+    with fwd:
+        out = token_divergence(student, teacher, inputs, labels, fused=True, beta=0.5, memory_budget_bytes=4 * 32 * v)
+        loss = out.divergence.sum()
+    with bwd:
+        loss.backward()
+    assert {"mm", "bmm"} & fwd.ops and "mm" in bwd.ops  # the recorders saw the GEMMs: the bound is not vacuous
+    assert student.lm_head.weight.grad.abs().sum() > 0 and float(loss.detach()) > 0
+    assert fwd.max_numel < bound and bwd.max_numel < bound, (fwd.max_numel, bwd.max_numel, bound)
+    # The same recorder sees the unfused path's logits.
+    student.zero_grad()
+    ref = NumelRecorder()
+    with ref:
+        token_divergence(student, teacher, inputs, labels, fused=False, beta=0.5).divergence.sum().backward()
+    assert ref.max_numel >= 2 * bound
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
