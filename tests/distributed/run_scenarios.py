@@ -154,7 +154,7 @@ def _grpo_trainer(spec: dict, common: dict, peft_config):
         num_iterations=spec.get("num_iterations", 1), shuffle_dataset=False,
         mask_truncated_completions=spec.get("mask_truncated_completions", False),
         keyed_sampling=spec.get("keyed", False), generation_backend=spec.get("generation_backend", "auto"), **own,
-        **_packed(spec),
+        fused_sampling=spec.get("fused_sampling", False), **_packed(spec),
     )
     prompts = load_dataset_any("builtin:zen", "standard_prompt_only", split="train").select(range(32))
     replay = uneven_replay(32, generations, load_tokenizer("builtin:tiny-qwen2").eos_token_id,
@@ -164,9 +164,13 @@ def _grpo_trainer(spec: dict, common: dict, peft_config):
 
     rewards = [token_sum_reward, os.environ[REWARD_MODEL_ENV]] if spec.get("reward_model") else token_sum_reward
     # keyed: real generation (generation_weights on the backend) with draws that do not depend on the split.
-    return trainer_cls(load_model(spec.get("model", "builtin:tiny-qwen2")), reward_funcs=rewards, args=args,
-                       train_dataset=prompts, peft_config=peft_config,
-                       generator=None if spec.get("keyed") else _RecordedKeys(replay, common["output_dir"]))
+    trainer = trainer_cls(load_model(spec.get("model", "builtin:tiny-qwen2")), reward_funcs=rewards, args=args,
+                          train_dataset=prompts, peft_config=peft_config,
+                          generator=None if spec.get("keyed") else _RecordedKeys(replay, common["output_dir"]))
+    if spec.get("eos_every"):  # StaticDecode's loop: every n-th token id ends a completion, so rows end early,
+        trainer.generator.eos_token_ids = list(range(0, trainer.model.config.vocab_size, spec["eos_every"]))
+        trainer.generator.check_every = 2  # and a check every 2 tokens finds them (compaction within 12 tokens)
+    return trainer
 
 
 def _distillation_trainer(spec: dict, common: dict, peft_config):
@@ -183,7 +187,7 @@ def _distillation_trainer(spec: dict, common: dict, peft_config):
     args = DistillationConfig(**common, max_completion_length=12, beta=spec.get("beta", 1.0),
                               temperature=spec.get("temperature", 1.0), shuffle_dataset=False,
                               teacher_model_name_or_path=spec.get("teacher", "builtin:tiny-zen-teacher"),
-                              **_packed(spec))
+                              teacher_model_init_kwargs=spec.get("teacher_kwargs"), **_packed(spec))
     prompts = load_dataset_any("builtin:zen", "standard_prompt_only", split="train").select(range(32))
     replay = uneven_replay(32, 1, load_tokenizer("builtin:tiny-qwen2").eos_token_id)
     return DistillationTrainer(load_model(spec.get("model", "builtin:tiny-qwen2")), args=args, train_dataset=prompts,
@@ -265,10 +269,15 @@ def run(spec: dict, out_root: str) -> None:
 
     tokens = [batch.forward_tokens() if hasattr(batch, "forward_tokens") else int(batch["input_ids"].numel())
               for batch in micro_batches]  # typed batches; SFT's are dicts
-    counts = [len(micro_batches), max(tokens, default=0)]
+    # Packed rows in which completions share their prompt (a segment with a parent).
+    shared = sum(1 for batch in micro_batches
+                 if getattr(getattr(batch, "rows", None), "parent_ids", None) is not None
+                 and bool((batch.rows.parent_ids >= 0).any()))
+    counts = [len(micro_batches), max(tokens, default=0), shared]
     gathered = trainer.accelerator.gather(torch.tensor([counts], device=trainer.accelerator.device)).tolist()
     result["forwards_per_rank"] = [row[0] for row in gathered]
     result["largest_forward_per_rank"] = [row[1] for row in gathered]
+    result["shared_prompt_forwards_per_rank"] = [row[2] for row in gathered]
     if spec.get("evaluate"):
         metrics = trainer.evaluate()
         result["eval"] = {k: v for k, v in metrics.items() if isinstance(v, float) and "runtime" not in k and "per_second" not in k}

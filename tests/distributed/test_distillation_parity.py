@@ -7,7 +7,8 @@ prepared the backend's way (a DeepSpeed inference engine under ZeRO-3, an FSDP2 
 head gathered by its own hooks when the student's head calls it. Scenarios: `jsd`, beta 0.5
 at temperature 0.8 with the zen teacher (another architecture, a tied head), fused and
 unfused on every backend; `softcap_lora`, reverse KL (beta 1) from a soft-capped teacher
-(tiny-gemma2) into a student with LoRA on q/v and on its head, fused; `packed`, the `jsd` run
+(tiny-gemma2, its cap lowered to 0.5 so that it changes the logits) into a student with LoRA
+on q/v and on its head, fused; `packed`, the `jsd` run
 on packed rows (padding_free, a token budget: each rank's 4 sequences of a step in its 2
 forwards, 2 ranks x accumulation 2 x batch 2), fused, against the padded unfused 1 x 1 x 8
 run, the teacher and the student reading the same row; `packed_parts`, the same with one micro-batch
@@ -28,13 +29,17 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 BASE = {"trainer": "distillation", "steps": 3, "lr": 0.5}
 PARTS_BUDGET = 21  # the longest prompt (9 tokens) + max_completion_length (12): the least it takes
 JSD = {**BASE, "beta": 0.5, "temperature": 0.8}
-SOFTCAP = {**BASE, "beta": 1.0, "teacher": "builtin:tiny-gemma2", "peft": True,
-           "lora_target_modules": ["q_proj", "v_proj", "lm_head"]}
+# The teacher's cap lowered from 30 to 0.5 (a from_pretrained config override): the tiny model's logits
+# (|z| < 1) are too flat for a cap of 30 to change anything, and a cap that changes nothing proves nothing.
+SOFTCAP = {**BASE, "beta": 1.0, "teacher": "builtin:tiny-gemma2", "teacher_kwargs": {"final_logit_softcapping": 0.5},
+           "peft": True, "lora_target_modules": ["q_proj", "v_proj", "lm_head"]}
 
 BASELINE = [
     {**JSD, "name": "jsd", "fused": False, "per_device_batch": 8},
     {**JSD, "name": "jsd_fused", "fused": True, "per_device_batch": 8},
     {**SOFTCAP, "name": "softcap_lora", "fused": False, "per_device_batch": 8},
+    {**SOFTCAP, "name": "uncapped_lora", "fused": False, "per_device_batch": 8,
+     "teacher_kwargs": {"final_logit_softcapping": None}},
 ]
 _scenarios = [({**JSD, "name": "jsd", "fused": True, "per_device_batch": 4}, "jsd"),
               ({**JSD, "name": "jsd_unfused", "fused": False, "per_device_batch": 4}, "jsd"),
@@ -64,6 +69,9 @@ def test_baseline_fused_equals_unfused_and_training_moves(runs):
     for name in ("jsd", "softcap_lora"):
         losses = result(single, name)["losses"]
         assert len(set(losses)) == 3 and all(v > 0 for v in losses), (name, losses)
+    # The cap bites: without it the same run's divergence differs well beyond the parity tolerance.
+    capped, uncapped = result(single, "softcap_lora")["losses"][0], result(single, "uncapped_lora")["losses"][0]
+    assert abs(capped - uncapped) > 1e-2 * abs(uncapped), (capped, uncapped)
 
 
 @pytest.mark.parametrize("backend,name,want", CASES, ids=[f"{b}-{n}" for b, n, _ in CASES])

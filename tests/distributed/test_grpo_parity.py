@@ -7,7 +7,9 @@ after the reward gather. Per step: the loss, the rewards, KL and entropy; at the
 weight, to 1e-5. Plus beta > 0 with a separate reference and with the policy's adapter
 disabled (LoRA on lm_head), an all-masked step, and real generation with keyed sampling
 (the same draws on any split) under ZeRO-3 and FSDP2, a training step after every generation,
-once through transformers' generate and once through StaticDecode's own decoding loop; a
+once through transformers' generate and once through StaticDecode's own decoding loop, and
+through that loop with the sampling head drawing and rows that ended compacted away against one
+process's logits path (every 8th token id an EOS, so that rows end early); a
 reward model beside the token sum (split over the ranks by ZeRO-3 and FSDP2); and,
 under ZeRO-3, a keyed run with num_iterations 2 stopped inside a generation window and resumed
 from its checkpoint by new processes.
@@ -21,8 +23,12 @@ Three splits that layout never makes, on DDP and, where noted, ZeRO-3:
 The keys each rank generated for (run_scenarios.py records them) show each split happened.
 On every backend, packed rows (`packed_kl_mu2`: padding_free, share_prompt, a token budget,
 beta > 0, num_iterations 2, 2 ranks x accumulation 2 x batch 2) against padded 1 x 1 x 8, with
-and without gradient checkpointing, and under a budget below a prompt group, where each
-micro-batch is trained in parts (as many on each rank, none over the budget).
+and without gradient checkpointing (dapo there: its normaliser is the step's tokens over both
+ranks), and under a budget below a prompt group, where each micro-batch is trained in parts (as
+many on each rank, none over the budget); on DDP, packed rows for every other loss type but bnpo
+(a mean per micro-batch, which depends on how a step is split by definition: its packed rows are
+compared with padded ones of the same split in tests/unit/test_grpo_packed.py). Each packed run is
+checked to have trained on shared-prompt rows.
 """
 
 from __future__ import annotations
@@ -46,6 +52,12 @@ MASKED_ROWS = [0, 2, 4]
 PARTS_BUDGET = 21  # the longest prompt (9 tokens) + max_completion_length (12): the least it takes
 MASKED_RANK0 = {"truncate_rows": MASKED_ROWS, "mask_truncated_completions": True, "top_entropy_quantile": 0.5}
 
+EOS_EVERY = 8  # every 8th token id ends a completion: most rows end before max_completion_length
+# Loss types trained on packed rows besides grpo: dapo (the default) on every backend, the others on DDP,
+# each against its own padded baseline (the normaliser over ranks x accumulation is what differs by type;
+# bnpo's depends on the split by definition, see the module docstring).
+PACKED_LOSSES = ("dapo", "dr_grpo", "cispo", "sapo", "luspo", "vespo")
+
 BASELINE = [
     {**GRPO, "name": "dapo", "fused": False, "per_device_batch": 8},
     {**GRPO, "name": "dapo_fused", "fused": True, "per_device_batch": 8},
@@ -58,9 +70,13 @@ BASELINE = [
     {**GRPO, "name": "span", "fused": False, "per_device_batch": 8, "num_generations": 8},
     {**GRPO, "name": "masked_rank0", "fused": False, "per_device_batch": 8, **MASKED_RANK0},
     {**GRPO, "name": "keyed_mu2", "fused": False, "per_device_batch": 8, "keyed": True, "num_iterations": 2},
+    {**GRPO, "name": "keyed_eos", "fused": False, "per_device_batch": 8, "keyed": True,
+     "generation_backend": "static", "eos_every": EOS_EVERY},
     {**GRPO, "name": "grpo_kl_mu2", "fused": False, "per_device_batch": 8, "loss_type": "grpo", "beta": 0.1,
      "num_iterations": 2},
     {**GRPO, "name": "reward_model", "fused": False, "per_device_batch": 8, "reward_model": True},
+    *({**GRPO, "name": f"{loss}_kl_mu2", "fused": False, "per_device_batch": 8, "loss_type": loss, "beta": 0.1,
+       "num_iterations": 2} for loss in PACKED_LOSSES),
 ]
 _common = [
     ({**GRPO, "name": "fused", "fused": True, "per_device_batch": 4}, "dapo"),
@@ -75,6 +91,10 @@ _keyed = ({**GRPO, "name": "keyed", "fused": True, "per_device_batch": 4, "keyed
 # StaticDecode's own decoding loop (eager on CPU) on the weights each backend makes whole.
 _keyed_static = ({**GRPO, "name": "keyed_static", "fused": True, "per_device_batch": 4, "keyed": True,
                   "generation_backend": "static"}, "keyed")
+# The sampling head (the draw inside the head's forward) and compaction of the rows that ended, on the
+# weights ZeRO-3 and FSDP2 make whole, against one process's logits path, uncompacted rows included.
+_keyed_fused = ({**GRPO, "name": "keyed_fused_sampling", "fused": True, "per_device_batch": 4, "keyed": True,
+                 "generation_backend": "static", "fused_sampling": True, "eos_every": EOS_EVERY}, "keyed_eos")
 _span = ({**GRPO, "name": "span", "fused": True, "per_device_batch": 4, "num_generations": 8}, "span")
 _accum = ({**GRPO, "name": "accum", "fused": True, "per_device_batch": 2, "grad_accum": 2}, "dapo")
 _masked_rank0 = ({**GRPO, "name": "masked_rank0", "fused": True, "per_device_batch": 4, **MASKED_RANK0},
@@ -89,8 +109,12 @@ _resumed = ({**GRPO, "name": "keyed_mu2_resumed", "fused": True, "per_device_bat
 _packed = ({**GRPO, "name": "packed_kl_mu2", "fused": True, "per_device_batch": 2, "grad_accum": 2,
             "loss_type": "grpo", "beta": 0.1, "num_iterations": 2, "padding_free": True, "share_prompt": True,
             "max_tokens_per_batch": 80}, "grpo_kl_mu2")
-# The same with gradient checkpointing (non-reentrant): recomputed layers over packed rows.
-_packed_ckpt = ({**_packed[0], "name": "packed_kl_mu2_ckpt", "gradient_checkpointing": True}, "grpo_kl_mu2")
+# The same with gradient checkpointing (non-reentrant): recomputed layers over packed rows, and dapo's
+# normaliser (the step's loss tokens over both ranks).
+_packed_ckpt = ({**_packed[0], "name": "packed_kl_mu2_ckpt", "gradient_checkpointing": True, "loss_type": "dapo"},
+                "dapo_kl_mu2")
+_packed_losses = [({**_packed[0], "name": f"packed_{loss}", "loss_type": loss}, f"{loss}_kl_mu2")
+                  for loss in PACKED_LOSSES[1:]]
 # A budget (21) below a prompt group (4 completions, 24-45 tokens): each rank's step needs 2 to 4 rows for
 # its 2 micro-batches, so each micro-batch is trained in parts, one forward and backward each, as many
 # on every rank (the most either needs), the gradient sync deferred to the last part.
@@ -100,11 +124,13 @@ _parts = ({**_packed[0], "name": "packed_parts_kl_mu2", "max_tokens_per_batch": 
 _reward_model = ({**GRPO, "name": "reward_model", "fused": True, "per_device_batch": 4, "reward_model": True},
                  "reward_model")
 SCENARIOS = {
-    "ddp": _common + [_lora, _span, _accum, _masked_rank0, _packed, _packed_ckpt, _parts, _reward_model],
+    "ddp": _common + [_lora, _span, _accum, _masked_rank0, _packed, _packed_ckpt, _parts, _reward_model,
+                      *_packed_losses],
     "zero2": _common + [_kl, _packed, _packed_ckpt, _parts, _reward_model],
-    "zero3": _common + [_kl, _lora, _keyed, _keyed_static, _span, _masked_rank0, _resumed, _packed, _packed_ckpt,
-                        _parts, _reward_model],
-    "fsdp2": _common + [_kl, _lora, _keyed, _keyed_static, _packed, _packed_ckpt, _parts, _reward_model],
+    "zero3": _common + [_kl, _lora, _keyed, _keyed_static, _keyed_fused, _span, _masked_rank0, _resumed, _packed,
+                        _packed_ckpt, _parts, _reward_model],
+    "fsdp2": _common + [_kl, _lora, _keyed, _keyed_static, _keyed_fused, _packed, _packed_ckpt, _parts,
+                        _reward_model],
 }
 CASES = [(backend, spec["name"], want) for backend in BACKENDS for spec, want in SCENARIOS[backend]]
 COMPARED = ("reward", "reward_std", "kl", "entropy", "completions/mean_length", "clip_ratio/region_mean")
@@ -142,12 +168,23 @@ def test_backend_equals_single_process_unfused(runs, backend, name, want):
     got, baseline = runs(backend), runs(None)
     assert_same_training(got, name, baseline, want, backend=backend)
     _assert_same_history(result(got, name), result(baseline, want))
+    if name.startswith("packed"):  # packed rows really ran, every one sharing its prompts
+        assert result(got, name)["batch_types"] == ["PackedGRPOMicroBatch"], result(got, name)["batch_types"]
+        assert result(got, name)["shared_prompt_forwards_per_rank"] == result(got, name)["forwards_per_rank"]
+        assert result(baseline, want)["batch_types"] == ["GRPOMicroBatch"]
     if name == "packed_parts_kl_mu2":  # micro-batches in parts: more forwards, as many on each rank, none over
         forwards, largest = result(got, name)["forwards_per_rank"], result(got, name)["largest_forward_per_rank"]
         assert forwards[0] == forwards[1] > 3 * 2 and max(largest) <= PARTS_BUDGET, (forwards, largest)
         assert result(got, "packed_kl_mu2")["forwards_per_rank"] == [3 * 2, 3 * 2]  # 3 steps x 2 micro-batches
     if name == "reward_model":  # the reward model was loaded and prepared on this backend
         assert len(result(got, name)["reward_models_partitioned"]) == 1
+    if name == "keyed_fused_sampling":  # the head drew, rows that ended were compacted away, in both runs
+        last = result(got, name)["generator_last_call"]
+        assert last["path"] == "static" and last["fused_sampling"] is True, last
+        assert len(last["batch_sizes"]) >= 2 and last["batch_sizes"][-1] < last["batch_sizes"][0], last
+        assert result(baseline, want)["generator_last_call"]["fused_sampling"] is False
+        lengths = [step["completions/mean_length"] for step in result(baseline, want)["history"]]
+        assert all(length < 12 for length in lengths), lengths  # completions ended early
     if name == "keyed_static":  # StaticDecode's own loop ran, not its fallback to generate
         assert result(got, name)["generator"] == "StaticDecode"
         assert result(got, name)["generator_last_call"]["path"] == "static"

@@ -79,3 +79,7 @@ def test_backend_equals_single_process_unfused(runs, backend, name, want):
     got, baseline = runs(backend), runs(None)
     assert_same_training(got, name, baseline, want, backend=backend)
     _assert_same_history(result(got, name), result(baseline, want))
+    if name.startswith("packed"):  # packed rows really ran, every one sharing its prompts
+        assert result(got, name)["batch_types"] == ["PackedGRPOMicroBatch"], result(got, name)["batch_types"]
+        assert result(got, name)["shared_prompt_forwards_per_rank"] == result(got, name)["forwards_per_rank"]
+        assert result(baseline, want)["batch_types"] == ["GRPOMicroBatch"]
