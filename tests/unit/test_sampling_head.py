@@ -32,26 +32,39 @@ def _small_slices(monkeypatch):
 
 
 @pytest.mark.parametrize("name,attn", [("builtin:tiny-qwen2", "sdpa"), ("builtin:tiny-qwen2", "eager"),
-                                       ("builtin:tiny-llama", "sdpa")])
+                                       ("builtin:tiny-llama", "sdpa"), ("builtin:tiny-llama", "eager"),
+                                       ("builtin:tiny-gemma2", "eager")])  # (transformers has no sdpa for Gemma 2)
 @pytest.mark.parametrize("flags", [dict(do_sample=False), dict(do_sample=False, repetition_penalty=1.4),
                                    dict(keyed=dict(temperature=0.7)),
                                    dict(repetition_penalty=1.3, keyed=dict(temperature=1.3))],
                          ids=["greedy", "penalty", "keyed", "keyed_penalty"])
 def test_fused_sampling_draws_the_tokens_of_the_logits_path(name, attn, flags):
+    """The head's tokens (and keyed log-probs) are the logits path's. Gemma 2 has sliding-window layers:
+    StaticDecode declares its fallback to transformers' generate, and fused_sampling=True changes
+    nothing there (generate's tokens)."""
+    from fusedalign.generation import HFGenerate
+
     model, tok = load_model(name, attn_implementation=attn).eval(), load_tokenizer(name)
+    assert model.config._attn_implementation == attn
     flags = dict(flags)
     keyed = flags.pop("keyed", None)
     prompts, keys = _prompts(), _keys(len(PROMPT_LENGTHS))
+    kw = dict(max_new_tokens=16, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **flags)
 
     def decode(fused: bool):
         sampler = KeyedSampler(5, **keyed) if keyed else None
-        d = StaticDecode(max_new_tokens=16, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                         sampler=sampler, fused_sampling=fused, **flags)
+        d = StaticDecode(sampler=sampler, fused_sampling=fused, **kw)
         return d, d.generate(model, prompts, keys, step=1)
 
     fused, got = decode(True)
     plain, want = decode(False)
-    assert fused.last_call["fused_sampling"] is True and plain.last_call["fused_sampling"] is False
+    if "gemma2" in name:
+        assert fused.last_call == plain.last_call == {"path": "generate", "why": "sliding-window layers"}
+        generated = HFGenerate(sampler=KeyedSampler(5, **keyed) if keyed else None, **kw).generate(
+            model, prompts, keys, step=1)
+        assert got.completion_ids == generated.completion_ids and got.truncated == generated.truncated
+    else:
+        assert fused.last_call["fused_sampling"] is True and plain.last_call["fused_sampling"] is False
     assert got.completion_ids == want.completion_ids and got.truncated == want.truncated
     assert any(len(c) > 3 for c in got.completion_ids)
     if keyed:
