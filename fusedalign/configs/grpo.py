@@ -137,7 +137,8 @@ class GRPOConfig(FusedAlignConfig):
     vespo_lambda_neg: float = field(default=2.0)
     top_entropy_quantile: float = field(default=1.0, metadata={"help": "Keep the top rho of tokens by entropy in "
                                                                        "the policy loss; 1.0 keeps all."})
-    entropy_coef: float = field(default=0.0, metadata={"help": "Entropy bonus coefficient (>= 0)."})
+    entropy_coef: float = field(default=0.0, metadata={"help": "Entropy bonus coefficient (negative: an entropy "
+                                                                "penalty, as in TRL)."})
     ref_model_name_or_path: str | None = field(default=None, metadata={"help": "Default: the policy's own path."})
 
     def __post_init__(self):
@@ -190,14 +191,13 @@ class GRPOConfig(FusedAlignConfig):
         need(self.min_p is None or 0 <= self.min_p <= 1, "min_p", "in [0, 1] or None", self.min_p)
         need(self.repetition_penalty > 0, "repetition_penalty", "> 0", self.repetition_penalty)
         need(self.beta >= 0, "beta", ">= 0", self.beta)
-        need(0 <= self.epsilon < 1, "epsilon", "in [0, 1) (the lower clip is 1 - epsilon)", self.epsilon)
+        need(self.epsilon >= 0, "epsilon", ">= 0 (the lower clip is 1 - epsilon; 1 or more turns it off)", self.epsilon)
         need(self.epsilon_high is None or self.epsilon_high >= 0, "epsilon_high", ">= 0 or None", self.epsilon_high)
         need(self.delta is None or self.delta > 1, "delta", "> 1 or None (the cap on the unclipped ratio)", self.delta)
         need(self.num_iterations >= 1, "num_iterations", ">= 1", self.num_iterations)
         need(self.num_completions_to_print is None or self.num_completions_to_print >= 0, "num_completions_to_print",
              ">= 0 or None", self.num_completions_to_print)
         need(0 <= self.top_entropy_quantile <= 1, "top_entropy_quantile", "in [0, 1]", self.top_entropy_quantile)
-        need(self.entropy_coef >= 0, "entropy_coef", ">= 0", self.entropy_coef)
         need(self.sapo_temperature_pos > 0 and self.sapo_temperature_neg > 0, "sapo_temperature_pos/neg", "> 0",
              (self.sapo_temperature_pos, self.sapo_temperature_neg))
         if self.reward_weights is not None and (self.reward_funcs or self.reward_model_name_or_path):

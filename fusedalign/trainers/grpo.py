@@ -182,7 +182,7 @@ class GRPOTrainer(FusedAlignTrainer):
     def prepare_step(self, model: nn.Module, batches: list[dict[str, Any]], mode: str) -> list[GRPOMicroBatch]:
         """Generates at the start of every window, then serves its micro-batches in order."""
         prepared = self.serve(model, batches, mode)
-        if self.args.entropy_coef > 0:
+        if self.args.entropy_coef != 0:
             # The bonus is coef x the entropy's mean over the step's loss tokens (every rank).
             totals = torch.stack([torch.stack([count_items(b.loss_mask, self.args.loss_type),
                                                b.loss_mask.sum().float()]) for b in prepared]).sum(0)
@@ -198,9 +198,9 @@ class GRPOTrainer(FusedAlignTrainer):
     def loss_and_metrics(self, model: nn.Module, inputs: GRPOMicroBatch, mode: str) -> tuple[torch.Tensor, GRPOLossMetrics]:
         args = self.args
         batch = inputs.require(old_logps=mode == "train" and args.needs_old_logps, ref_logps=args.beta != 0.0,
-                               entropy_weight=args.entropy_coef > 0)
+                               entropy_weight=args.entropy_coef != 0)
         mask = batch.loss_mask
-        out = self.token_logprobs(model, *batch.forward_args(model), entropy=True, entropy_grad=args.entropy_coef > 0)
+        out = self.token_logprobs(model, *batch.forward_args(model), entropy=True, entropy_grad=args.entropy_coef != 0)
         out = out._replace(logps=batch.per_completion(out.logps), entropy=batch.per_completion(out.entropy))
         entropy_mask = None
         if args.top_entropy_quantile < 1.0:

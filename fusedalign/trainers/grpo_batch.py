@@ -113,5 +113,5 @@ _WHY = {
     "old_logps": "the policy changes between a generation and its use when gradient_accumulation_steps is not a "
                  "multiple of steps_per_generation x num_iterations",
     "ref_logps": "the KL term is on when beta != 0",
-    "entropy_weight": "the entropy bonus is on when entropy_coef > 0",
+    "entropy_weight": "the entropy bonus is on when entropy_coef != 0",
 }

@@ -86,6 +86,16 @@ def test_step_time_every_step_and_policy_loss_with_an_entropy_bonus(tmp_path, pr
     assert plain[0]["loss"] == pytest.approx(logs[0]["policy_loss"], rel=1e-5)
 
 
+def test_a_negative_entropy_coef_is_trls_entropy_penalty_and_epsilon_1_turns_the_lower_clip_off(tmp_path, prompts):
+    replay = uneven_replay(ROWS, G, load_tokenizer(MODEL).eos_token_id)
+    _, penalised = _train(tmp_path / "n", prompts, replay, entropy_coef=-0.05, max_steps=1)
+    _, plain = _train(tmp_path / "p", prompts, replay, max_steps=1)
+    entry = penalised[0]
+    assert entry["policy_loss"] == pytest.approx(entry["loss"] - 0.05 * entry["entropy"], rel=1e-5)
+    assert entry["policy_loss"] == pytest.approx(plain[0]["loss"], rel=1e-5) and entry["loss"] > plain[0]["loss"]
+    assert GRPOConfig(output_dir=str(tmp_path), epsilon=1.5).epsilon == 1.5
+
+
 def test_kto_logs_kl_zero_for_a_loss_type_without_z0():
     from fusedalign.losses.kto import KTOOptions, kto_batch_loss
 
