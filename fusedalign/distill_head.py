@@ -32,16 +32,8 @@ import torch
 from torch import nn
 
 from fusedalign.architectures import UnsupportedArchitectureError, post_processing_of
-from fusedalign.head import (
-    IGNORE_INDEX,
-    _head_module,
-    _is_lora_layer,
-    _lora_forward,
-    _plain_forward,
-    _replaced_forward,
-    forward_inputs,
-    unwrap_model,
-)
+from fusedalign.head_forward import IGNORE_INDEX, _head_module, _lora_forward, _plain_forward, _replaced_forward
+from fusedalign.model_calls import _is_lora_layer, forward_inputs, unwrap_model
 from fusedalign.ops import LowRank
 from fusedalign.ops.divergence_api import divergence_head, generalised_jsd
 

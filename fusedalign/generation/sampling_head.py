@@ -37,7 +37,8 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from fusedalign.architectures import PostProcessing, post_processing_of
-from fusedalign.head import _head_module, _is_lora_layer, _lora_forward, _plain_forward, _replaced_forward
+from fusedalign.head_forward import _head_module, _lora_forward, _plain_forward, _replaced_forward
+from fusedalign.model_calls import _is_lora_layer
 from fusedalign.ops import LowRank
 
 from .decode_state import gumbel_scores, penalised

@@ -103,14 +103,14 @@ def _patched_item(table: dict, key: str, value: Any) -> Iterator[None]:
 
 
 def _lora_head_no_grad() -> contextlib.AbstractContextManager:
-    import fusedalign.head as head
+    import fusedalign.head_forward as head_forward
 
-    low_rank = head.LowRank
+    low_rank = head_forward.LowRank
 
     def detached(down: torch.Tensor, up: torch.Tensor, scale: float) -> Any:
         return low_rank(down=down.detach(), up=up.detach(), scale=scale)
 
-    return _patched(head, "LowRank", detached)
+    return _patched(head_forward, "LowRank", detached)
 
 
 INJECTIONS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {

@@ -222,7 +222,7 @@ def test_entropy_grad_through_fused_head_directly_returns_both_stacked():
 
 
 def test_batch_invariant_reaches_the_op_and_keeps_the_function(monkeypatch):
-    import fusedalign.head as head_module
+    import fusedalign.head_forward as head_module
 
     seen = []
     op = head_module.head_logprobs

@@ -188,13 +188,16 @@ def test_exit_code_is_0_only_when_every_run_agrees(monkeypatch, capsys, agree, c
 def test_injections_undo_themselves():
     import fusedalign.architectures as architectures
     import fusedalign.head as head
+    import fusedalign.head_forward as head_forward
     from fusedalign.trainers.base import FusedAlignTrainer
     from fusedalign.verify.inject import INJECTIONS, injected
 
-    before = (head.fused_head, head.LowRank, FusedAlignTrainer.compute_loss, dict(architectures.POST_PROCESSING))
+    def patched():
+        return (head.fused_head, head_forward.LowRank, FusedAlignTrainer.compute_loss,
+                dict(architectures.POST_PROCESSING))
+
+    before = patched()
     for name in INJECTIONS:
         with injected(name):
-            assert (head.fused_head, head.LowRank, FusedAlignTrainer.compute_loss,
-                    dict(architectures.POST_PROCESSING)) != before, name
-        assert (head.fused_head, head.LowRank, FusedAlignTrainer.compute_loss,
-                dict(architectures.POST_PROCESSING)) == before, name
+            assert patched() != before, name
+        assert patched() == before, name
