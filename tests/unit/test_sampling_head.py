@@ -1,8 +1,11 @@
 """The sampling head: the next token drawn inside the head's forward, slice by slice of the
 vocabulary, is the logits path's token (greedy, penalised, keyed, with LoRA on the head, soft-capped
-logits, compaction), and unkeyed draws follow the processed softmax."""
+logits, compaction), and unkeyed draws follow the processed softmax, eagerly, from the compiled step
+and (CUDA) from graph replays, with fresh noise at every step."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -14,6 +17,7 @@ from fusedalign.generation.decode_state import process_logits
 from fusedalign.models import load_model, load_tokenizer
 
 PROMPT_LENGTHS = (3, 7, 5, 1, 9, 4)
+SLICING = (sampling.CHUNK_ELEMENTS, sampling.MIN_SLICE)  # the library's, before _small_slices
 
 
 def _prompts() -> list[list[int]]:
@@ -139,6 +143,91 @@ def test_unkeyed_draws_follow_the_processed_softmax():
     assert 0.5 * (got - want).abs().sum() < 0.01, (got, want)
 
 
+def _context_free_head(model, live: int):
+    """Replaces the model's head by one whose logits are the same vector b at every position: b's first
+    `live` tokens random, the rest -30 (never drawn). Returns b."""
+    vocab, device = model.config.vocab_size, model.device
+    b = torch.full((vocab,), -30.0, device=device)
+    b[:live] = torch.randn(live, generator=torch.Generator().manual_seed(0)).to(device) * 2
+    head = torch.nn.Linear(model.config.hidden_size, vocab, bias=True, device=device)
+    with torch.no_grad():
+        head.weight.zero_()
+        head.bias.copy_(b)
+    model.lm_head = head
+    return b
+
+
+def _tv_noise(want: torch.Tensor, n: int) -> float:
+    """The expected total variation between `want` and the histogram of n independent draws from it."""
+    return float(0.5 * (2 * want * (1 - want) / (math.pi * n)).sqrt().sum())
+
+
+def _assert_fresh_draws_of_the_processed_softmax(tokens, b, prompt, first: int, **processing):
+    """tokens [rows, steps] drawn from softmax(process_logits(b, seen)) with the row's seen tokens (its
+    prompt and its draws so far: the penalty makes each draw's distribution depend on the row's past).
+    Checked on the draws from step `first` on: their histogram is the mean of each draw's distribution
+    given its row's past (within 3x the sampling noise); at the first of them the rows draw apart (noise
+    per row); and a row draws its previous token again as often as fresh draws would (the expected
+    count within 5 standard deviations; the same noise at every step makes it several times more)."""
+    rows, steps = tokens.shape
+    seen = torch.zeros(rows, b.shape[0], dtype=torch.bool, device=b.device)
+    seen[:, prompt] = True
+    want = torch.zeros(b.shape[0], dtype=torch.float64, device=b.device)
+    repeats = expected = variance = 0.0
+    at_first = None
+    for t in range(steps):
+        p = process_logits(b.expand(rows, -1), seen, **processing).double().softmax(-1)  # [rows, V]
+        if t >= first:
+            want += p.sum(0)
+            if t == first:
+                at_first = p.mean(0)
+            else:
+                again = p.gather(-1, tokens[:, t - 1:t])[:, 0]  # each row's chance of its previous token
+                expected, variance = expected + float(again.sum()), variance + float((again * (1 - again)).sum())
+                repeats += float((tokens[:, t] == tokens[:, t - 1]).sum())
+        seen[torch.arange(rows, device=b.device), tokens[:, t]] = True
+    drawn = tokens[:, first:]
+    want /= drawn.numel()
+    got = torch.bincount(drawn.flatten(), minlength=b.shape[0]).double() / drawn.numel()
+    assert 0.5 * float((got - want).abs().sum()) < 3 * _tv_noise(want, drawn.numel()), (got, want)
+    assert got[want < 1e-12].sum() == 0
+    got_first = torch.bincount(tokens[:, first], minlength=b.shape[0]).double() / rows
+    assert 0.5 * float((got_first - at_first).abs().sum()) < 3 * _tv_noise(at_first, rows)
+    assert abs(repeats - expected) < 5 * math.sqrt(variance), (repeats, expected, math.sqrt(variance))
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """No compiled code or counts from another test (dynamo keeps them per process)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    yield counters
+    torch._dynamo.reset()
+
+
+def test_the_compiled_step_draws_fresh_samples_of_the_processed_softmax_in_the_head(monkeypatch, fresh_dynamo):
+    """Unkeyed sampling (temperature and repetition penalty: the head draws) from the inductor-compiled
+    step, the vocabulary in 4 slices: the draws follow the processed softmax given each row's past, and
+    inductor's random numbers are fresh at every step and for every row (a context-free head)."""
+    rows, steps = 2048, 12
+    monkeypatch.setattr(sampling, "CHUNK_ELEMENTS", 128 * rows)  # 4 slices of 128 tokens
+    model = load_model("builtin:tiny-qwen2", attn_implementation="sdpa").eval()
+    tok = load_tokenizer("builtin:tiny-qwen2")
+    b = _context_free_head(model, live=48)
+    prompt = _prompts()[1]
+    flags = dict(temperature=0.8, repetition_penalty=1.5)
+    decode = StaticDecode(max_new_tokens=steps, eos_token_id=model.config.vocab_size - 1,
+                          pad_token_id=tok.pad_token_id, do_sample=True, fused_sampling=True, compile_step=True,
+                          **flags)
+    torch.manual_seed(0)
+    out = decode.generate(model, [prompt] * rows, _keys(rows))
+    assert decode.last_call["compiled"] is True and decode.last_call["fused_sampling"] is True, decode.last_call
+    assert decode.last_call["steps"] == steps and not fresh_dynamo["graph_break"]
+    _assert_fresh_draws_of_the_processed_softmax(torch.tensor(out.completion_ids), b, prompt, first=1, **flags)
+
+
 def test_filters_take_the_logits_path():
     model = load_model("builtin:tiny-qwen2")
     assert "top-k" in sampling.usable(model, dict(top_k=20, top_p=1.0, min_p=None), None)
@@ -154,8 +243,8 @@ def test_filters_take_the_logits_path():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("penalty", [1.0, 1.3])
 def test_fused_sampling_under_cuda_graphs_draws_the_logits_paths_tokens(penalty):
-    """Greedy, float32: the graphed loop drawing in the head equals the eager logits path; and its
-    sampled draws at batch 1,024 follow the processed softmax of a context-free head."""
+    """Greedy, float32, 24 rows: the graphed loop drawing in the head gives the eager logits path's
+    tokens (the sampled draws: the next test)."""
     from tests.unit.test_static_decode import _cuda_model
 
     tok = load_tokenizer("builtin:tiny-qwen2")
@@ -167,3 +256,31 @@ def test_fused_sampling_under_cuda_graphs_draws_the_logits_paths_tokens(penalty)
     got = fused.generate(model, prompts, keys).completion_ids
     assert fused.last_call["graph"] and fused.last_call["fused_sampling"], fused.last_call
     assert got == StaticDecode(**kw, cuda_graphs=False).generate(model, prompts, keys).completion_ids
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("compiled", [False, True])
+def test_fused_sampling_under_cuda_graphs_draws_fresh_samples_of_the_processed_softmax(monkeypatch, compiled):
+    """Unkeyed sampling at batch 1,024 (temperature and repetition penalty: the head draws) from graph
+    replays of the decoding step: the draws follow the processed softmax of a context-free head given each
+    row's past, and the replays draw fresh noise at every step and for every row. Compiled: inductor's
+    random numbers, replayed in the graph, too."""
+    from tests.unit.test_static_decode import _cuda_model
+
+    monkeypatch.setattr(sampling, "CHUNK_ELEMENTS", SLICING[0])  # the library's slices of the 152k vocabulary
+    monkeypatch.setattr(sampling, "MIN_SLICE", SLICING[1])
+    tok = load_tokenizer("builtin:tiny-qwen2")
+    model = _cuda_model()
+    b = _context_free_head(model, live=64)
+    prompt = _prompts()[1]
+    flags = dict(temperature=0.8, repetition_penalty=1.3)
+    decode = StaticDecode(max_new_tokens=24, eos_token_id=model.config.vocab_size - 1,
+                          pad_token_id=tok.pad_token_id, do_sample=True, fused_sampling=True, compile_step=compiled,
+                          **flags)
+    torch.manual_seed(0)
+    out = decode.generate(model, [prompt] * 1024, _keys(1024))
+    assert decode.last_call["graph"] is True and decode.last_call["fused_sampling"] is True, decode.last_call
+    assert decode.last_call["steps"] == 24 and decode.last_call["compiled"] is compiled
+    tokens = torch.tensor(out.completion_ids, device="cuda")
+    _assert_fresh_draws_of_the_processed_softmax(tokens, b, prompt, first=2, **flags)  # from the replayed steps
