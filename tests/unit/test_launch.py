@@ -107,6 +107,45 @@ def test_builds_and_launches_use_the_environments_own_ninja(tmp_path, monkeypatc
     assert os.environ["PATH"].count(str(bin_dir)) == 1
 
 
+def _fake_ninja(directory: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    ninja = directory / "ninja"
+    ninja.write_text("#!/bin/sh\nexit 0\n")
+    ninja.chmod(0o755)
+    return ninja
+
+
+def test_a_build_and_a_launch_each_put_the_environments_ninja_first(tmp_path, monkeypatch):
+    """Under a PATH whose first ninja is another one (setup.sh runs the venv's python without its bin on
+    PATH): `build()` (setup.sh) and `visible_build()` (every CPU launch) each run what they wrap with the
+    environment's ninja first on PATH, even where nothing else asks ninja whether a build is due."""
+    from fusedalign.distributed import extensions
+
+    ours, other = _fake_ninja(tmp_path / "env" / "bin"), _fake_ninja(tmp_path / "other")
+    monkeypatch.setattr(sys, "executable", str(ours.parent / "python"))
+    system = os.pathsep.join([str(other.parent), "/usr/local/bin", "/usr/bin", "/bin"])
+    monkeypatch.setattr(extensions, "build_directory", lambda: tmp_path / extensions.NAME)
+    seen = {}
+
+    class Builder:  # DeepSpeed's op builder, as far as build() uses it
+        def is_compatible(self):
+            return True
+
+        def load(self, verbose):
+            seen["build"] = shutil.which("ninja")
+
+    monkeypatch.setattr(extensions, "_builder", Builder)
+    monkeypatch.setattr(extensions, "needs_build", lambda: True)  # due, without asking any ninja
+    monkeypatch.setenv("PATH", system)
+    assert shutil.which("ninja") == str(other)
+    extensions.build()
+    monkeypatch.setattr(extensions, "needs_build", lambda: False)
+    monkeypatch.setenv("PATH", system)
+    with extensions.visible_build(is_main=True):
+        seen["launch"] = shutil.which("ninja")
+    assert seen == {"build": str(ours), "launch": str(ours)}
+
+
 def _built_extension(tmp_path, command):
     """A build directory laid out as torch's JIT leaves it, built by the environment's ninja."""
     from fusedalign.distributed import extensions
