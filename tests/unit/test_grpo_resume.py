@@ -130,19 +130,82 @@ def test_each_split_is_formatted_as_itself(tmp_path):
     assert seen == {"str": 4, "messages": 4 * 4}  # one window of 1 prompt x 4; one evaluation of 4 prompts x 4
 
 
+def _printed_tables(out: str) -> list[list[list[str]]]:
+    """The completion tables in printed output: each a header and rows, cells stripped."""
+    tables, lines = [], out.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("step ") and " | " in line:
+            body = []
+            for row in lines[i + 2:]:  # below the header's rule
+                if " | " not in row:
+                    break
+                body.append([cell.strip() for cell in row.split(" | ")])
+            tables.append([[cell.strip() for cell in line.split(" | ")], *body])
+    return tables
+
+
 def test_log_completions_prints_a_table_and_keeps_every_completion(tmp_path, capsys):
-    _train(tmp_path, max_steps=2, num_iterations=1, save_strategy="no", log_completions=True,
-           num_completions_to_print=3)
+    """Every completion is kept in completions.jsonl with each reward function's value for it (computed
+    again here: token_sum_reward from the ids it was given, vowels from the row's text); the table has
+    exactly TRL's columns and the first num_completions_to_print rows of each logging step."""
+    import functools
+
+    from fusedalign.rewards import BUILTIN_REWARDS
+
+    given = []  # (completion text, completion ids), in the order the rewards see them
+
+    @functools.wraps(token_sum_reward)
+    def recording(completions, completion_ids, **kwargs):
+        given.extend(zip(completions, completion_ids))
+        return token_sum_reward(completion_ids)
+
+    vowels = BUILTIN_REWARDS["vowels"]()
+    _train(tmp_path, reward=[recording, vowels], max_steps=2, num_iterations=1, save_strategy="no",
+           log_completions=True, num_completions_to_print=3)
     rows = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
     assert len(rows) == 2 * 4 and [r["step"] for r in rows] == [1] * 4 + [2] * 4  # a group of 4 a step
     assert set(rows[0]) == {"step", "prompt", "completion", "rewards", "advantage"}
+    assert len(given) == len(rows)
+    for row, (text, ids) in zip(rows, given):  # (the rewards travel in float32)
+        assert row["completion"] == text
+        assert row["rewards"] == pytest.approx({"token_sum_reward": token_sum_reward([ids])[0],
+                                                "vowels": vowels([row["completion"]])[0]}, rel=1e-6, abs=1e-7)
+    assert len({r["rewards"]["vowels"] for r in rows}) > 1 and len({r["completion"] for r in rows}) > 1
     for group in (rows[:4], rows[4:]):  # one prompt's group: advantages centred on its mean reward
         assert len({r["prompt"] for r in group}) == 1
         assert sum(r["advantage"] for r in group) == pytest.approx(0.0, abs=1e-6)
-    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("step ", "1 ", "2 "))]
-    assert table[0].split(" | ")[:3] == ["step", "prompt".ljust(len(table[0].split(" | ")[1])),
-                                         table[0].split(" | ")[2]]
-    assert len(table) == 2 * (1 + 3)  # a header and 3 rows at each of the 2 logging steps
+    tables = _printed_tables(capsys.readouterr().out)
+    assert len(tables) == 2  # one at each of the 2 logging steps
+    for step, table in enumerate(tables, 1):
+        assert table[0] == ["step", "prompt", "completion", "token_sum_reward", "vowels", "advantage"]
+        assert len(table) == 1 + 3  # a header and the first 3 of the step's 4 rows
+        shown = rows[4 * (step - 1):4 * (step - 1) + 3]
+        assert [r[0] for r in table[1:]] == [str(step)] * 3
+        assert [r[-3:] for r in table[1:]] == [[f"{v:.4g}" for v in (*r["rewards"].values(), r["advantage"])]
+                                               for r in shown]
+
+
+def test_log_completions_from_the_command_line(tmp_path, capsys):
+    """`fusedalign grpo --log_completions --num_completions_to_print 2` (the demo, one step): the flags
+    are TRL's names on the CLI, the table shows 2 rows, and completions.jsonl keeps the whole
+    generation with each reward function's value for its text."""
+    from fusedalign.cli import main
+    from fusedalign.cli.demo import DEMO_TRAINING
+    from fusedalign.rewards import BUILTIN_REWARDS
+
+    out = tmp_path / "grpo"
+    assert main(["grpo", "--log_completions", "--num_completions_to_print", "2", "--max_steps", "1",
+                 "--reward_funcs", "zen_words", "vowels", "--output_dir", str(out)]) == 0
+    rows = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+    demo = DEMO_TRAINING["grpo"]
+    assert len(rows) == demo["per_device_train_batch_size"] and {r["step"] for r in rows} == {1}  # one generation
+    for row in rows:  # (the rewards travel in float32)
+        assert set(row["rewards"]) == {"zen_words", "vowels"}
+        for name, value in row["rewards"].items():
+            assert value == pytest.approx(BUILTIN_REWARDS[name]()([row["completion"]])[0], rel=1e-6, abs=1e-7)
+    tables = _printed_tables(capsys.readouterr().out)
+    assert len(tables) == 1 and tables[0][0] == ["step", "prompt", "completion", "zen_words", "vowels", "advantage"]
+    assert len(tables[0]) == 1 + 2 and [r[-1] for r in tables[0][1:]] == [f"{r['advantage']:.4g}" for r in rows[:2]]
 
 
 def _batch(**parts) -> GRPOMicroBatch:
