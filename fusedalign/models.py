@@ -123,6 +123,10 @@ def load_model(name_or_path: str | os.PathLike, *, dtype: Any = None, **kwargs: 
         # What a LoRA adapter records as its base, and what the tokenizer is loaded from:
         # the name a user can pass again, not a path into the installed package.
         model.name_or_path = model.config.name_or_path = os.fspath(name_or_path)
+    elif os.path.isdir(path):
+        # A local directory as an absolute path: a relative one, recorded as an adapter's base, would
+        # read as a hub id from anywhere else (`fusedalign merge` run in another directory).
+        model.name_or_path = model.config.name_or_path = os.path.abspath(path)
     return model
 
 

@@ -8,7 +8,8 @@ libraries say still reaches the user. Measured on 2026-12-03 (torch 2.13, DeepSp
   before DeepSpeed is imported, by fusedalign.launch);
 - 27 FutureWarnings from torch about `all_gather_into_tensor` / `reduce_scatter_tensor`,
   functions DeepSpeed calls, not the user.
-And PEFT, saving an adapter whose base is a builtin model (recorded by its name,
+transformers' FutureWarning that `is_gradient_checkpointing` is deprecated, which PEFT's calls
+raise on every adapter load and save (transformers 5.2x, 2026-12-05). And PEFT, saving an adapter whose base is a builtin model (recorded by its name,
 `builtin:tiny-qwen2`), warns that it cannot find that name's config "and will assume the
 vocabulary was not modified": true of every builtin model, whose vocabulary nothing resizes.
 """
@@ -50,6 +51,12 @@ def quiet_known_noise() -> None:
                 r"Please use `torch\.distributed\.(all_gather_single|reduce_scatter_single)` instead\.",
         category=FutureWarning,
         module=re.escape("torch.distributed.c10d_logger"),
+    )
+    # transformers 5.2x, when PEFT asks a model whether it checkpoints (every adapter load and save).
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`is_gradient_checkpointing` is deprecated",
+        category=FutureWarning,
     )
     warnings.filterwarnings(
         "ignore",

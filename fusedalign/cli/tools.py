@@ -87,6 +87,8 @@ def run_merge(argv: list[str]) -> int:
     if len(argv) != 2 or any(a.startswith("-") for a in argv):
         raise CLIError(MERGE_USAGE)
     adapter_dir, output_dir = argv
+    if not os.path.isdir(adapter_dir):
+        raise CLIError(f"ADAPTER_DIR {adapter_dir} does not exist; expected the output_dir of a run with --use_peft.")
     if not os.path.isfile(os.path.join(adapter_dir, "adapter_config.json")):
         raise CLIError(f"{adapter_dir} is not a PEFT adapter directory (no adapter_config.json); "
                        "expected the output_dir of a run with --use_peft.")
@@ -99,8 +101,17 @@ def run_merge(argv: list[str]) -> int:
 
     from fusedalign.models import load_model, load_tokenizer
 
+    recorded = base is None
     base = base or PeftConfig.from_pretrained(adapter_dir).base_model_name_or_path
-    model = PeftModel.from_pretrained(load_model(base), adapter_dir).merge_and_unload()
+    try:
+        base_model = load_model(base)
+    except Exception as err:  # a hub id not reachable, a path that is not here: one line, with the way out
+        if not recorded:
+            raise
+        raise CLIError(f"the base model {base!r} that {adapter_dir}/adapter_config.json names cannot be loaded "
+                       f"({str(err).splitlines()[0] if str(err) else type(err).__name__}); if it is a directory "
+                       "(a relative path is read from where the adapter was trained), pass --base_model PATH.") from None
+    model = PeftModel.from_pretrained(base_model, adapter_dir).merge_and_unload()
     has_tokenizer = any(os.path.isfile(os.path.join(adapter_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
     tokenizer = load_tokenizer(adapter_dir if has_tokenizer else base)
     model.save_pretrained(output_dir)
