@@ -150,11 +150,13 @@ def plot_run(output_dir: str, out_file: str | None = None) -> str:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         constant = [constant_value(series) is not None for series in lines.values()]
-        if len(lines) > 1 or any(constant):
-            ax.legend(fontsize="small")
         if all(constant):
-            ax.text(0.5, 0.5, "constant", transform=ax.transAxes, ha="center", va="center", color="0.4",
+            # A constant line sits in the panel's middle: the note above it, the legend below it.
+            ax.legend(fontsize="small", loc="lower center")
+            ax.text(0.5, 0.8, "constant", transform=ax.transAxes, ha="center", va="center", color="0.4",
                     fontsize="large", fontweight="bold", alpha=0.6)
+        elif len(lines) > 1 or any(constant):
+            ax.legend(fontsize="small")
     for ax in list(axes.flat)[len(drawn):]:
         ax.axis("off")
     fig.suptitle(f"run: {os.path.basename(os.path.abspath(output_dir))}", x=0.01, ha="left", fontweight="bold")

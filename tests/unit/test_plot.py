@@ -50,6 +50,8 @@ def test_a_reward_that_is_always_zero_keeps_its_reward_and_loss_panels(tmp_path)
         else:
             value = "1" if title == "frac_reward_zero_std" else "0"
             assert notes == ["constant"] and legend == [f"train = {value} throughout"], (title, notes, legend)
+            # Clear of the flat line, which sits in the panel's middle: the note above, the legend below.
+            assert ax.texts[0].get_position()[1] > 0.6 and ax.get_legend()._loc == 8, title  # 8: lower center
     import matplotlib.pyplot as plt
 
     plt.close(fig)
