@@ -6,6 +6,10 @@
 # (default ./gpu-tests-out). Run it, to the end, for every change to code that runs on CUDA,
 # before any benchmark of that change; record the run in docs/gpu-tests.md.
 #
+# A test marked `gpu` that is skipped here, where CUDA is present, proves nothing: the run then
+# fails (exit 1, after pytest's closing line, a final line on stderr naming how many) unless the
+# skip's reason matches ALLOWED_SKIPS below (tests/gate_skips.py records the skips).
+#
 # What the tests need beyond torch and transformers is installed from wheels in .whl/ when
 # that folder exists (pip install --no-index --no-deps --target): a GPU machine without a
 # package index gets them carried there (docs/gpu-tests.md lists them).
@@ -14,6 +18,9 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-tests-out}
 LIMIT=${LIMIT:-560}  # seconds for the whole pytest run
 mkdir -p "$OUT"
+# Reasons (regular expressions on pytest's skip reason) for which a test marked gpu may skip with
+# CUDA present: the CPU twin of a kernel test says it is tested compiled where CUDA is.
+ALLOWED_SKIPS=('^CUDA present: ')
 if ! python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     echo "gpu_tests.sh: no CUDA device here; the GPU tests need one (CI runs the others)" >&2
     exit 2
@@ -44,7 +51,9 @@ if [ -n "${SHARD:-}" ]; then
     for i in "${!all[@]}"; do [ $((i % n)) -eq $((k - 1)) ] && files+=("${all[$i]}"); done
     echo "gpu_tests.sh: share $k of $n: ${#files[@]} of ${#all[@]} test files"
 fi
-PYTHONUNBUFFERED=1 timeout -k 10 "$LIMIT" python3 -m pytest -q -m "gpu or cuda_path" "${files[@]}" -p no:cacheprovider \
+rm -f "$OUT/gpu-skips.txt"
+FUSEDALIGN_GPU_SKIPS="$OUT/gpu-skips.txt" PYTHONUNBUFFERED=1 timeout -k 10 "$LIMIT" python3 -m pytest -q \
+    -m "gpu or cuda_path" "${files[@]}" -p no:cacheprovider -p tests.gate_skips \
     --durations=15 --junitxml="$OUT/gpu-tests.xml" -o junit_family=xunit1 2>&1 | tee "$OUT/gpu-tests.log"
 rc=${PIPESTATUS[0]}
 python3 - "$OUT/gpu-tests.xml" <<'PY'
@@ -67,4 +76,10 @@ for name, counts in sorted(files.items()):
 PY
 tail -n 1 "$OUT/gpu-tests.log"
 [ "$rc" = 124 ] && echo "gpu_tests.sh: stopped at its ${LIMIT} s limit" >&2
+if ! skips=$(python3 -m tests.gate_skips "$OUT/gpu-skips.txt" "${ALLOWED_SKIPS[@]}" 2>&1); then
+    printf '%s\n' "$skips" >&2
+    echo "gpu_tests.sh: FAILED: $(printf '%s\n' "$skips" | grep -c '^  skipped: ') test(s) marked gpu skipped" \
+         "with CUDA present, for reasons not in ALLOWED_SKIPS (above): the gate has not passed" >&2
+    [ "$rc" = 0 ] && rc=1
+fi
 exit "$rc"
