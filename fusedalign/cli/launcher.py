@@ -5,8 +5,10 @@ process after the process group exists, and the user's one line is followed by t
 launcher's `ChildFailedError` traceback (and, when one rank stopped first, preceded by the
 other's gloo "Connection reset by peer" traceback), exit 1. This command:
 
-1. checks the flags, the output directory, the data (row by row) and the model's name in
-   this one process, before any process group exists: a mistake is one line, exit 2;
+1. checks the accelerate config against this machine (a GPU config without a GPU), the
+   flags, the output directory, the names of the models (policy, reference, teacher, reward
+   models), the reward functions' imports and the data (row by row) in this one process,
+   before any process group exists (`cli.precheck`): a mistake is one line, exit 2;
 2. starts `accelerate launch OPTIONS -m fusedalign COMMAND FLAGS` itself, passing its
    output through, except the tracebacks that follow a fusedalign error (the other ranks'
    and the launcher's), which are held back;
@@ -26,7 +28,7 @@ from typing import Any, Callable
 from fusedalign.cli.commands import TRAINING_COMMANDS
 from fusedalign.errors import CLIError
 
-USAGE = ("usage: fusedalign launch [accelerate launch options] {dpo,kto,sft,grpo} [flags]\n"
+USAGE = (f"usage: fusedalign launch [accelerate launch options] {{{','.join(TRAINING_COMMANDS)}}} [flags]\n"
          "  e.g. fusedalign launch --config_file configs/accelerate/cpu/zero3.yaml dpo --max_steps 6")
 
 ERROR_LINE = re.compile(r"fusedalign \w+( \(rank \d+\))?: error: ")  # anywhere: ranks share the pipe
@@ -48,21 +50,13 @@ def split_argv(argv: list[str]) -> tuple[list[str], str, list[str]]:
     raise CLIError(f"fusedalign launch: no training command ({', '.join(TRAINING_COMMANDS)}) given. {USAGE}")
 
 
-def validate(command: str, argv: list[str]) -> None:
-    """Everything a run checks before training that one process can check: flags, output dir, data, model."""
-    from fusedalign.cli.help import dataclass_types
-    from fusedalign.cli.output_dir import check_output_dir, resolve_resume
-    from fusedalign.cli.parsing import parse
-    from fusedalign.cli.training import load_splits, peft_config_from
-    from fusedalign.models import resolve_model_path
+def validate(launch_args: list[str], command: str, argv: list[str]) -> None:
+    """Everything a run checks before training that one process can check: the accelerate config
+    against this machine, then flags, output dir, models and reward functions, data (`cli.precheck`)."""
+    from fusedalign.cli.precheck import check_launch_config, check_run
 
-    script, args, model_args, run_args = parse(command, dataclass_types(command), argv, announce=False)
-    resume = resolve_resume(args.resume_from_checkpoint, args.output_dir)
-    check_output_dir(args.output_dir, resume=resume, overwrite=run_args.overwrite_output_dir)
-    if model_args.model_name_or_path is not None:
-        resolve_model_path(model_args.model_name_or_path)
-    peft_config_from(model_args)
-    load_splits(command, script, args)
+    check_launch_config(launch_args, command)
+    check_run(command, argv)
 
 
 class HeldOutput:
@@ -118,7 +112,7 @@ def run_launch(argv: list[str]) -> int:
         print(USAGE)
         return 0
     options, command, flags = split_argv(argv)
-    validate(command, flags)
+    validate(options, command, flags)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *options, "-m", "fusedalign", command, *flags]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "FUSEDALIGN_LAUNCHED": "1"}
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, env=env)

@@ -188,6 +188,7 @@ def _run(command: str, argv: list[str], guard: InterruptGuard, run: dict[str, An
     # Refused before the slow part; an old run (or what lies past the checkpoint resumed from) is moved
     # aside only once the new one is ready to write.
     move_aside = check_output_dir(args.output_dir, resume=resume, overwrite=run_args.overwrite_output_dir)
+    load("fusedalign.cli.precheck:check_models")(args, model_args)  # teacher, reference, rewards: before any weights
     train, evaluate = load_splits(command, script, args)
     trainer = build_trainer(command, script, args, model_args, train, evaluate)
     if move_aside:

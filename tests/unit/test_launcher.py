@@ -142,9 +142,9 @@ def test_a_valid_run_is_handed_to_accelerate_launch_and_its_exit_code_kept(tmp_p
             return 0
 
     monkeypatch.setattr(launcher.subprocess, "Popen", FakeLaunch)
-    out = str(tmp_path / "run")
-    assert main(["launch", "--config_file", "c.yaml", "dpo", "--max_steps", "1", "--output_dir", out]) == 0
-    assert seen["cmd"] == [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "c.yaml", "-m",
+    out, config = str(tmp_path / "run"), "configs/accelerate/cpu/ddp.yaml"
+    assert main(["launch", "--config_file", config, "dpo", "--max_steps", "1", "--output_dir", out]) == 0
+    assert seen["cmd"] == [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, "-m",
                            "fusedalign", "dpo", "--max_steps", "1", "--output_dir", out]
     assert "[fusedalign] trained" in capsys.readouterr().err
 
