@@ -85,6 +85,12 @@ def _tool(name: str) -> Callable[[list[str]], int]:
     return run
 
 
+def _verify(argv: list[str]) -> int:
+    from fusedalign.verify.command import run_verify
+
+    return run_verify(argv)
+
+
 def _launch(argv: list[str]) -> int:
     from fusedalign.cli.launcher import run_launch
 
@@ -93,7 +99,8 @@ def _launch(argv: list[str]) -> int:
 
 COMMANDS: dict[str, Callable[[list[str]], int]] = {
     **{name: _training(name) for name in TRAINING_COMMANDS},
-    **{name: _tool(name) for name in ("plot", "merge", "consolidate", "verify")},
+    **{name: _tool(name) for name in ("plot", "merge", "consolidate")},
+    "verify": _verify,
     "launch": _launch,
 }
 

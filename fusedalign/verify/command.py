@@ -1,4 +1,5 @@
-"""`fusedalign verify`: run the plan, compare every run with its oracle, print the table, exit 0 or 1."""
+"""`fusedalign verify`: check the input (exit 2), run the plan, compare every run with its oracle,
+print the table, exit 0 or 1."""
 
 from __future__ import annotations
 
@@ -39,9 +40,14 @@ def workspace(keep: bool) -> str:
 
 
 def run_verify(argv: list[str]) -> int:
+    """`fusedalign verify TRAINER [flags]`: 0 when every run agrees with the oracle, 1 when one
+    disagrees or crashes; bad input raises (one line, exit 2) before anything is launched."""
     from fusedalign.errors import CLIError
-    from fusedalign.verify.plan import parse_options, plan
+    from fusedalign.verify.plan import HELP, check_inputs, parse_options, plan
 
+    if any(flag in argv for flag in ("-h", "--help")):
+        print(HELP)
+        return 0
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise CLIError("run `fusedalign verify` itself, not under accelerate launch or torchrun: it starts its own "
                        "processes with the configs given by --backends or --config_file.")
@@ -51,6 +57,7 @@ def run_verify(argv: list[str]) -> int:
         return run_self_test(argv[1:])
     options = parse_options(argv)
     launches = plan(options)
+    check_inputs(launches)
     workdir = workspace(options.keep_outputs)
     try:
         results = run_plan(launches, workdir)

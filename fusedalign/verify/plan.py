@@ -19,11 +19,33 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fusedalign.cli.commands import GENERATING_COMMANDS
+from fusedalign.cli.commands import GENERATING_COMMANDS, TRAINING_COMMANDS
 from fusedalign.errors import CLIError
 from fusedalign.launch import REPO_CPU_CONFIGS
 
 BACKENDS = ("ddp", "zero2", "zero3", "fsdp2")
+TRAINERS = ", ".join(TRAINING_COMMANDS)
+
+USAGE = ("usage: fusedalign verify TRAINER [the trainer's flags] [--backends ddp zero2 zero3 fsdp2 | "
+         "--config_file ACCELERATE.yaml ...] [--num_processes N]\n       fusedalign verify --self_test")
+HELP = f"""{USAGE}
+
+Trains a few steps of TRAINER ({TRAINERS})
+with your flags, model and data, and compares with a one-process, unfused, float32 oracle
+over the same global batches: one process fused, then N processes fused and unfused under
+each backend, launched with `accelerate launch` and the backend's config. Prints, per run,
+the largest relative difference from the oracle in per-step loss, gradient norm, logged
+metrics and final weights, and a verdict; exits 0 when every run agrees, 1 when one
+disagrees or crashes. Your flags, models, reward functions and data are checked first, in
+this process, as `fusedalign launch` checks them: bad input is one line and exit 2, before
+any run starts. Nothing is written outside a temporary directory, removed at the end.
+  --backends NAME ...         our configs (configs/accelerate/, or its cpu/ twins without a GPU)
+  --config_file FILE ...      your accelerate configs
+  --num_processes N           processes per launch (default: each config's num_processes)
+  --verify_steps K            optimizer steps per run (default 3)
+  --verify_learning_rate LR   SGD learning rate of every run (default 0.1)
+  --keep_outputs              keep the runs' directory (its path is printed)
+  --self_test                 inject known bugs and show that each is caught"""
 DEFAULT_STEPS = 3
 # SGD: an update is lr x gradient, large enough in 3 steps to show a wrong gradient in the
 # weights, small enough (with the gradient clipped at max_grad_norm) not to diverge.
@@ -76,12 +98,10 @@ def _number(flag: str, text: str, kind: type) -> Any:
 
 def parse_options(argv: list[str]) -> VerifyOptions:
     """Splits verify's own flags from the trainer's; one-line errors for bad input."""
-    from fusedalign.cli.commands import TRAINING_COMMANDS
-
     if not argv or argv[0].startswith("-"):
         raise CLIError(f"expected a trainer first: fusedalign verify {{{','.join(TRAINING_COMMANDS)}}} [flags]")
     if argv[0] not in TRAINING_COMMANDS:
-        raise CLIError(f"unknown trainer {argv[0]!r}; expected one of {', '.join(TRAINING_COMMANDS)}.")
+        raise CLIError(f"unknown trainer {argv[0]!r}; expected one of {TRAINERS}.")
     options = VerifyOptions(trainer=argv[0], argv=[])
     rest, i = argv[1:], 0
     while i < len(rest):
@@ -224,6 +244,20 @@ def plan(options: VerifyOptions, prefix: str = "") -> list[Launch]:
                 for kind in ("fused", "unfused")]
         launches.append(Launch(label, path, world, runs))
     return launches
+
+
+def check_inputs(launches: list[Launch]) -> None:
+    """The oracle's flags, models, reward functions and data, checked in this process as
+    `fusedalign launch` checks them (`cli.precheck`): bad input is then one line and exit 2,
+    not a crashed oracle and exit 1, which would read as a disagreement."""
+    from fusedalign.cli.help import dataclass_types
+    from fusedalign.cli.parsing import parse
+    from fusedalign.cli.precheck import check_inputs as check
+
+    oracle = launches[0].runs[0]
+    command, argv = oracle["trainer"], [*oracle["argv"], *oracle["overrides"]]  # as the worker parses them
+    script, args, model_args, _ = parse(command, dataclass_types(command), argv, announce=False)
+    check(command, script, args, model_args)
 
 
 def merged(plans: list[list[Launch]]) -> list[Launch]:

@@ -169,6 +169,40 @@ def test_a_gpu_config_without_a_gpu_is_refused(capsys):
         parse_options(["dpo", "--config_file", str(REPO_CPU_CONFIGS.parent / "zero3.yaml")])
 
 
+def test_help_lists_every_trainer_verify_accepts(capsys):
+    from fusedalign.cli.commands import TRAINING_COMMANDS
+
+    assert main(["verify", "--help"]) == 0
+    assert f"Trains a few steps of TRAINER ({', '.join(TRAINING_COMMANDS)})" in capsys.readouterr().out
+    assert main(["verify", "ppo"]) == 2
+    assert f"expected one of {', '.join(TRAINING_COMMANDS)}." in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["distillation", "--dataset_name", "{tmp}/bad.jsonl", "--teacher_model_name_or_path", "builtin:tiny-zen-teacher"],
+     "bad.jsonl, line 2, column 12: not valid JSON"),
+    (["grpo", "--model_name_or_path", "builtin:tiny-qwen2", "--dataset_name", "{tmp}/text.jsonl"],
+     "missing column(s) ['prompt']"),
+    (["sft", "--dataset_name", "{tmp}/nowhere.jsonl"], "nowhere.jsonl' does not exist"),
+    (["distillation", "--teacher_model_name_or_path", "{tmp}/noteacher"],
+     "--teacher_model_name_or_path: model path"),
+    (["rloo", "--reward_funcs", "nosuch.fn"], "--reward_funcs 'nosuch.fn': cannot import module 'nosuch'"),
+    (["rloo", "--model_name_or_path", "builtin:tiny-qwen2"], "--dataset_name is required with --model_name_or_path"),
+])
+def test_bad_input_is_one_line_and_exit_2_before_any_run_starts(argv, message, tmp_path, monkeypatch, capsys):
+    """A typo is not a parity failure: exit 2, not a CRASHED oracle and exit 1."""
+    import fusedalign.verify.command as command
+
+    monkeypatch.setattr(command, "run_plan", lambda *args: pytest.fail("a run was started"))
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n{"prompt": \n')
+    (tmp_path / "text.jsonl").write_text('{"text": "a"}\n')
+    assert main(["verify", *[a.replace("{tmp}", str(tmp_path)) for a in argv]]) == 2
+    err = capsys.readouterr().err
+    said = [line for line in err.splitlines() if "error:" in line]
+    assert said == [err.strip().splitlines()[-1]] and said[0].startswith("fusedalign verify: error: "), err
+    assert message in said[0] and "CRASHED" not in err and "Traceback" not in err, err
+
+
 @pytest.mark.parametrize("agree,code", [(True, 0), (False, 1)])
 def test_exit_code_is_0_only_when_every_run_agrees(monkeypatch, capsys, agree, code):
     import fusedalign.verify.command as command
@@ -177,6 +211,7 @@ def test_exit_code_is_0_only_when_every_run_agrees(monkeypatch, capsys, agree, c
 
     runs = [{"label": "oracle: 1 process, unfused, float32", "name": "oracle"}]
     monkeypatch.setattr(verify_plan, "plan", lambda options: [Launch("1 process", None, 1, runs)])
+    monkeypatch.setattr(verify_plan, "check_inputs", lambda launches: None)
     good, bad = Comparison("zero3 fused"), Comparison("fsdp2 fused", first="loss at step 2: 1 vs oracle 2")
     monkeypatch.setattr(command, "run_plan", lambda launches, workdir: [({}, good)] + ([] if agree else [({}, bad)]))
     assert main(["verify", "sft"]) == code
