@@ -1,4 +1,4 @@
-"""`fusedalign plot|merge|consolidate|verify`: commands on the outputs of a run, and the setup check."""
+"""`fusedalign plot|merge|consolidate`: commands on the outputs of a run (`verify`: fusedalign.verify)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,6 @@ HELP_FLAGS = ("-h", "--help")
 PLOT_USAGE = "usage: fusedalign plot OUTPUT_DIR"
 MERGE_USAGE = "usage: fusedalign merge ADAPTER_DIR OUTPUT_DIR [--base_model NAME_OR_PATH]"
 CONSOLIDATE_USAGE = "usage: fusedalign consolidate CHECKPOINT_DIR [OUTPUT_DIR]"
-VERIFY_USAGE = ("usage: fusedalign verify TRAINER [the trainer's flags] [--backends ddp zero2 zero3 fsdp2 | "
-                "--config_file ACCELERATE.yaml ...] [--num_processes N]\n       fusedalign verify --self_test")
-
 HELP = {
     "plot": f"""{PLOT_USAGE}
 
@@ -30,22 +27,6 @@ directory (one that holds files is refused; `--output_dir OUTPUT_DIR` names it t
 
 Writes the whole model of a sharded (FSDP2) checkpoint as safetensors, loadable with
 AutoModelForCausalLM.from_pretrained, into OUTPUT_DIR (default: CHECKPOINT_DIR itself).""",
-    "verify": f"""{VERIFY_USAGE}
-
-Trains a few steps of TRAINER (sft, dpo, kto, grpo) with your flags, model and data, and
-compares with a one-process, unfused, float32 oracle over the same global batches: one
-process fused, then N processes fused and unfused under each backend, launched with
-`accelerate launch` and the backend's config. Prints, per run, the largest relative
-difference from the oracle in per-step loss, gradient norm, logged metrics and final
-weights, and a verdict; exits 0 when every run agrees, 1 otherwise. Nothing is written
-outside a temporary directory, removed at the end.
-  --backends NAME ...         our configs (configs/accelerate/, or its cpu/ twins without a GPU)
-  --config_file FILE ...      your accelerate configs
-  --num_processes N           processes per launch (default: each config's num_processes)
-  --verify_steps K            optimizer steps per run (default 3)
-  --verify_learning_rate LR   SGD learning rate of every run (default 0.1)
-  --keep_outputs              keep the runs' directory (its path is printed)
-  --self_test                 inject known bugs and show that each is caught""",
 }
 
 
@@ -136,11 +117,3 @@ def run_consolidate(argv: list[str]) -> int:
           f"load it with AutoModelForCausalLM.from_pretrained({output_dir!r}).", file=sys.stderr)
     return 0
 
-
-def run_verify(argv: list[str]) -> int:
-    """`fusedalign verify TRAINER [flags]`: exit 0 when every run agrees with the oracle, 1 otherwise."""
-    if _asks_for_help("verify", argv):
-        return 0
-    from fusedalign.verify.command import run_verify as verify
-
-    return verify(argv)

@@ -36,3 +36,15 @@ def test_what_merge_cannot_find_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "'moved/away'" in err and "pass --base_model PATH" in err, err
     assert main(["merge", str(adapter), str(tmp_path / "out"), "--base_model", "builtin:tiny-qwen2"]) == 0
+
+
+def test_help_read_by_a_reader_that_leaves_early_is_no_traceback():
+    """`fusedalign merge --help | head -1`: the reader closes the pipe before the help is flushed."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "fusedalign", "merge", "--help"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()  # gone before the process writes
+    err = proc.stderr.read().decode()
+    assert proc.wait() == 0 and "Traceback" not in err and "BrokenPipeError" not in err, err
