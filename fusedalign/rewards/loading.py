@@ -38,7 +38,7 @@ def load_reward_function(name: str, **model_kwargs: Any) -> Callable:
                           f"fusedalign; give it as a dotted path to an importable function: {TRL_SCRIPT_REWARDS[name]} "
                           "(with trl installed)")
     if os.path.isdir(os.path.expanduser(name)) or name.startswith("builtin:"):
-        return load_reward_model(name, **model_kwargs)
+        return load_reward_model(name, flag="--reward_funcs", **model_kwargs)
     if "." in name and "/" not in name:
         module_path, attr = name.rsplit(".", 1)
         if os.getcwd() not in sys.path:
@@ -52,7 +52,7 @@ def load_reward_function(name: str, **model_kwargs: Any) -> Callable:
             raise RewardError(f"--reward_funcs {name!r}: module {module_path!r} has no callable {attr!r}")
         return func
     if "/" in name:
-        return load_reward_model(name, **model_kwargs)
+        return load_reward_model(name, flag="--reward_funcs", **model_kwargs)
     raise RewardError(f"--reward_funcs {name!r}: expected one of {', '.join(BUILTIN_REWARDS)}, a dotted path "
                       "'package.module.function', or a reward model directory / hub id")
 
@@ -62,6 +62,6 @@ def load_reward_functions(names: Sequence[str] | None = None, reward_model_name_
     """The reward functions of a run: the reward model first (as TRL's script), then each name."""
     funcs: list[Callable] = []
     if reward_model_name_or_path:
-        funcs.append(load_reward_model(reward_model_name_or_path, **model_kwargs))
+        funcs.append(load_reward_model(reward_model_name_or_path, flag="--reward_model_name_or_path", **model_kwargs))
     funcs += [load_reward_function(n, **model_kwargs) for n in names or ()]
     return funcs

@@ -6,12 +6,18 @@ standard data, the chat template applied to the whole conversation for conversat
 It is an `nn.Module` so that the trainer can prepare it under the running backend like the
 frozen reference (`prepare(accelerator)`: a DeepSpeed inference engine under ZeRO-3, sharded
 under FSDP2); every rank must then call it, each on its own completions.
+
+A checkpoint without a trained one-label head (a causal LM, a classifier of other labels)
+would load with a freshly initialised `score` layer and train against random rewards, so
+`load_reward_model` reads transformers' loading info and refuses it in one line.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -66,12 +72,17 @@ class SequenceClassifierReward(nn.Module):
         return logits[:, 0].float().tolist()
 
 
-def load_reward_model(name_or_path: str, *, dtype: Any = None, **kwargs: Any) -> SequenceClassifierReward:
+def load_reward_model(name_or_path: str, *, dtype: Any = None, flag: str = "reward model",
+                      **kwargs: Any) -> SequenceClassifierReward:
     """Loads `AutoModelForSequenceClassification(num_labels=1)` and its tokenizer as a reward.
 
     Args:
         name_or_path: a local directory, `builtin:<name>` or a hub id.
         dtype: as `fusedalign.models.load_model`.
+        flag: how errors name where the path came from (`--reward_funcs`, ...).
+
+    Raises:
+        RewardError: the checkpoint has no trained one-label score head (see the module docstring).
     """
     from transformers import AutoModelForSequenceClassification
 
@@ -82,5 +93,57 @@ def load_reward_model(name_or_path: str, *, dtype: Any = None, **kwargs: Any) ->
         dtype = getattr(torch, dtype)
     if dtype is not None:
         kwargs["dtype"] = dtype
-    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, **kwargs)
+    with _held_load_report() as release:
+        # ignore_mismatched_sizes: a head of other labels is then reported in the info, not raised.
+        model, info = AutoModelForSequenceClassification.from_pretrained(
+            path, num_labels=1, output_loading_info=True, ignore_mismatched_sizes=True, **kwargs)
+        check_score_head(model, info, f"{flag} {name_or_path}")
+        release()  # a report of unexpected keys alone still reaches the user
     return SequenceClassifierReward(model, load_tokenizer(path), name=os.path.basename(os.path.normpath(name_or_path)))
+
+
+def check_score_head(model: nn.Module, info: dict, where: str) -> None:
+    """Refuses weights `from_pretrained` initialised afresh instead of loading them (`info`: its loading info).
+
+    Raises:
+        RewardError: naming `where`, the checkpoint's architecture and the weights concerned.
+    """
+    from fusedalign.rewards.api import RewardError
+
+    expected = "expected a sequence-classification reward model (num_labels=1)"
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        arch = (getattr(model.config, "architectures", None) or [type(model).__name__])[0]
+        raise RewardError(f"{where} is a {arch} checkpoint with no trained score head ({', '.join(missing)} missing: "
+                          f"it would be initialised at random, and so would the rewards); {expected}")
+    mismatched = sorted(info.get("mismatched_keys") or (), key=lambda k: k[0])
+    if mismatched:
+        key, saved, wanted = mismatched[0]
+        raise RewardError(f"{where}: {key} has shape {list(saved)} in the checkpoint, not the {list(wanted)} of a "
+                          f"one-label score head (a classifier of other labels); {expected}")
+
+
+@contextlib.contextmanager
+def _held_load_report() -> Iterator[Any]:
+    """Holds back transformers' load report (a table of missing and unexpected keys) until the
+    caller calls the yielded function: a refused checkpoint then shows one line, not the table too."""
+    log = logging.getLogger("transformers.modeling_utils")
+    held: list[logging.LogRecord] = []
+
+    def hold(record: logging.LogRecord) -> bool:
+        if "LOAD REPORT" in record.getMessage():
+            held.append(record)
+            return False
+        return True
+
+    def release() -> None:
+        log.removeFilter(hold)
+        for record in held:
+            log.handle(record)
+        held.clear()
+
+    log.addFilter(hold)
+    try:
+        yield release
+    finally:
+        log.removeFilter(hold)

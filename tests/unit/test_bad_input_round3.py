@@ -1,0 +1,95 @@
+"""Bad input refused in one line (exit 2, no traceback, before the models load where no model is needed),
+and what a run without usable rewards or without rewards at all tells its user:
+
+- a causal LM given as a reward model (no trained score head), a reward model of other labels;
+- `--report_to` an integration whose package is missing, an unknown one; FlashAttention that cannot load;
+  a `teacher_model_init_kwargs` key the teacher does not take, or a dtype torch does not know;
+- the dict flags (`--generation_kwargs`, `--teacher_model_init_kwargs`) as JSON on the command line;
+- zero or negative batch sizes, `max_steps`, `save_steps`;
+- reward functions returning None or NaN: a warning naming the step and the functions;
+- distillation's completion log: no rewards and no advantage column.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from fusedalign.cli import main, parse
+from fusedalign.cli import training as cli_training
+from fusedalign.configs import GRPOConfig, ModelArguments
+from fusedalign.data import load_dataset_any
+from fusedalign.models import load_model
+from fusedalign.rewards import load_reward_model
+from fusedalign.trainers.grpo import GRPOTrainer
+from fusedalign.trainers.grpo_completions import CompletionLog, format_table
+
+STUDENT = ["--model_name_or_path", "builtin:tiny-qwen2", "--dataset_name", "builtin:zen", "--dataset_config",
+           "standard_prompt_only", "--max_steps", "1", "--max_completion_length", "4",
+           "--per_device_train_batch_size", "4"]
+RLOO = ["rloo", *STUDENT, "--num_generations", "2"]
+DISTILL = ["distillation", *STUDENT, "--teacher_model_name_or_path", "builtin:tiny-zen-teacher"]
+
+
+def _refused(argv, capsys, *expected):
+    """One line on stderr holding every expected text, exit 2, no traceback."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert "Traceback" not in err and all(e in last for e in expected), err
+    return err
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Fails the test if the command gets as far as building the trainer (loading the models)."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the models were loaded before the check")
+
+    monkeypatch.setattr(cli_training, "build_trainer", refuse)
+
+
+# ---------------------------------------------------------------- reward models
+
+@pytest.mark.parametrize("flag", ["--reward_model_name_or_path", "--reward_funcs"])
+def test_a_causal_lm_as_reward_model_is_refused(flag, tmp_path, capsys):
+    """Loaded as a sequence classifier, a causal LM gets a random score head: refused, naming the
+    path, the checkpoint's architecture and the missing weights; transformers' load table is not shown."""
+    out = tmp_path / "r"
+    err = _refused([*RLOO, flag, "builtin:tiny-llama", "--output_dir", str(out)], capsys,
+                   f"{flag} builtin:tiny-llama is a LlamaForCausalLM checkpoint with no trained score head",
+                   "score.weight missing", "expected a sequence-classification reward model (num_labels=1)")
+    assert "LOAD REPORT" not in err and not out.exists()
+
+
+def test_a_reward_model_of_other_labels_is_refused(tmp_path):
+    from transformers import AutoConfig, Qwen2ForSequenceClassification
+
+    from fusedalign.models import load_tokenizer, resolve_model_path
+    from fusedalign.rewards import RewardError
+
+    base = resolve_model_path("builtin:tiny-qwen2")
+    Qwen2ForSequenceClassification(AutoConfig.from_pretrained(base, num_labels=2)).save_pretrained(tmp_path)
+    load_tokenizer(base).save_pretrained(tmp_path)
+    with pytest.raises(RewardError, match=r"score.weight has shape \[2, 64\] in the checkpoint, not the \[1, 64\]"):
+        load_reward_model(str(tmp_path), flag="--reward_funcs")
+
+
+def test_a_sequence_classifier_still_loads_and_its_report_of_unexpected_keys_is_kept(tmp_path, caplog):
+    """A one-label classifier with an extra weight loads; transformers' report of that key still reaches the user."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.reward_model import save_tiny_reward_model
+
+    path = save_tiny_reward_model(tmp_path / "rm")
+    weights = load_file(path / "model.safetensors")
+    save_file({**weights, "extra.weight": torch.zeros(2)}, path / "model.safetensors", metadata={"format": "pt"})
+    with caplog.at_level(logging.WARNING, logger="transformers.modeling_utils"):
+        rm = load_reward_model(str(path))
+    assert rm.reward_name == "rm"
+    assert "LOAD REPORT" in caplog.text and "extra.weight" in caplog.text
+
+
