@@ -169,6 +169,33 @@ class RewardFunctions:
         return [_number(v, name, row_ids[i]) for i, v in enumerate(values)]
 
 
+def unscored_warning(rewards: Tensor, names: Sequence[str], where: str, example: Any = None) -> str | None:
+    """A one-line warning when every reward function returned None (or NaN) for some completions, else None.
+
+    Such a completion gets advantage 0, so it teaches nothing (TRL warns too). When that holds for
+    the whole generation batch, nothing is learned from it at all: said so plainly, but not refused,
+    since a reward may be undefined for a whole batch on purpose (a verifier for one kind of prompt).
+
+    Args:
+        rewards: [N, K] the generation batch's rewards (NaN where a function returned None).
+        names: the K functions' names.
+        where: what the batch is, e.g. "step 3".
+        example: how to name one such completion (e.g. "dataset row 7 (from 0), generation 2"), if known.
+    """
+    unscored = int(torch.isnan(rewards).all(dim=1).sum())
+    if not unscored:
+        return None
+    funcs = f"every reward function ({', '.join(names)})" if len(names) > 1 else f"the reward function {names[0]!r}"
+    n = rewards.shape[0]
+    if unscored == n:
+        return (f"{where}: no completion of the generation batch has a reward: {funcs} returned None or NaN for all "
+                f"{n}, so every advantage is 0 and nothing is learned from this batch; check the reward functions "
+                "if this repeats.")
+    e_g = f" (e.g. {example})" if example is not None else ""
+    return (f"{where}: {funcs} returned None or NaN for {unscored} of {n} completions{e_g}; they get advantage 0 and "
+            "teach nothing.")
+
+
 def _number(value: Any, name: str, row: Any) -> float:
     if value is None:
         return math.nan

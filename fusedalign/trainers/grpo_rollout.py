@@ -37,12 +37,13 @@ import time
 from typing import Any
 
 import torch
+from transformers.utils import logging
 
 from fusedalign.data.grpo import completion_batch
 from fusedalign.distributed import generation_weights
 from fusedalign.losses import GRPOLossMetrics, RewardMetrics
 from fusedalign.losses.grpo_metrics import token_mean
-from fusedalign.rewards import format_completions, reward_columns
+from fusedalign.rewards import format_completions, reward_columns, unscored_warning
 from fusedalign.trainers.component_states import CheckpointError
 from fusedalign.trainers.grpo_batch import GRPOMicroBatch
 from fusedalign.trainers.grpo_completions import CompletionLog
@@ -50,6 +51,8 @@ from fusedalign.trainers.grpo_packed_batch import PackedLayout
 from fusedalign.trainers.rollout_types import (AdvantageStrategy, CompletionMetrics, GroupAdvantages, Scorer, Split,
                                                Window)
 from fusedalign.trainers.step_batch import MicroBatchParts
+
+logger = logging.get_logger(__name__)
 
 EVAL_KEYS = 2**31  # evaluation's generation keys: EVAL_KEYS + the global step (training's stay below)
 
@@ -133,12 +136,14 @@ class GRPORollout:
             out = self.generator.generate(whole, prompt_ids, keys, step=key)
         seconds = time.perf_counter() - start
         completions = self.tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
+        row_ids = [f"dataset row {k[0]} (from 0), generation {k[1]}" for k in keys]
         rewards = self.reward_funcs(
             [r["prompt"] for r in rows], format_completions(completions, self.splits[mode].conversational),
-            out.completion_ids, reward_columns(rows), trainer_state=trainer_state,
-            row_ids=[f"dataset row {k[0]} (from 0), generation {k[1]}" for k in keys],
+            out.completion_ids, reward_columns(rows), trainer_state=trainer_state, row_ids=row_ids,
         )  # [n, K]
         gathered = acc.gather(rewards.to(acc.device))  # [N, K], rank order = generation-batch order
+        if acc.is_main_process:
+            self._warn_unscored(gathered, rewards, row_ids, mode, trainer_state)
         truncated = torch.tensor(out.truncated)
         batches, kl = self._cut(model, rows, prompt_ids, out, truncated, mode, key)
         sequence_kl = None if kl is None else acc.gather(kl.sum(-1).to(acc.device))  # [N]
@@ -155,6 +160,17 @@ class GRPORollout:
             self.completion_log.add(trainer_state.global_step + 1, [r["prompt"] for r in rows], completions,
                                     rewards, self.reward_funcs.names, advantages)
         return [b.replace(advantages=advantages[idx].to(b.loss_mask.device)) for b, idx in batches]
+
+    def _warn_unscored(self, gathered: torch.Tensor, rewards: torch.Tensor, row_ids: list[str], mode: str,
+                       trainer_state: Any) -> None:
+        """Warns when every reward function returned None or NaN for some completions of the generation
+        batch (`gathered` [N, K]; `rewards` [n, K] this rank's, to name one of them)."""
+        where = (f"step {trainer_state.global_step + 1}" if mode == "train"
+                 else f"evaluation at step {trainer_state.global_step}")
+        mine = torch.isnan(rewards).all(dim=1).nonzero().flatten().tolist()
+        message = unscored_warning(gathered.cpu(), self.reward_funcs.names, where, row_ids[mine[0]] if mine else None)
+        if message:
+            logger.warning(message)
 
     def _cut(self, model: Any, rows: list, prompt_ids: list, out: Any, truncated: torch.Tensor, mode: str,
              key: int) -> tuple[list[tuple[GRPOMicroBatch, list[int]]], torch.Tensor | None]:

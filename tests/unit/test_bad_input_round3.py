@@ -23,7 +23,7 @@ from fusedalign.cli import training as cli_training
 from fusedalign.configs import GRPOConfig, ModelArguments
 from fusedalign.data import load_dataset_any
 from fusedalign.models import load_model
-from fusedalign.rewards import load_reward_model
+from fusedalign.rewards import load_reward_model, unscored_warning
 from fusedalign.trainers.grpo import GRPOTrainer
 from fusedalign.trainers.grpo_completions import CompletionLog, format_table
 
@@ -91,5 +91,57 @@ def test_a_sequence_classifier_still_loads_and_its_report_of_unexpected_keys_is_
         rm = load_reward_model(str(path))
     assert rm.reward_name == "rm"
     assert "LOAD REPORT" in caplog.text and "extra.weight" in caplog.text
+
+
+# ---------------------------------------------------------------- rewards without a value
+
+def test_unscored_warning_names_the_step_the_functions_and_one_completion():
+    nan = float("nan")
+    names = ["short", "uses_topic"]
+    assert unscored_warning(torch.tensor([[1.0, nan], [nan, 0.5]]), names, "step 3") is None
+    some = unscored_warning(torch.tensor([[1.0, nan], [nan, nan], [nan, nan], [0.0, 1.0]]), names, "step 3",
+                            "dataset row 7 (from 0), generation 1")
+    assert some == ("step 3: every reward function (short, uses_topic) returned None or NaN for 2 of 4 completions "
+                    "(e.g. dataset row 7 (from 0), generation 1); they get advantage 0 and teach nothing.")
+    every = unscored_warning(torch.full((8, 1), nan), ["nan_r"], "step 2")
+    assert every.startswith("step 2: no completion of the generation batch has a reward: the reward function "
+                            "'nan_r' returned None or NaN for all 8, so every advantage is 0 and nothing is learned")
+    assert "\n" not in some + every
+
+
+@pytest.mark.parametrize("value", [None, float("nan")])
+def test_a_reward_with_no_value_warns_at_every_generation(value, tmp_path, caplog):
+    """Every completion unscored: the run trains (a batch with nothing to learn is not an error) and
+    says so at each generation, naming the step and the function."""
+    def all_none(completions, **kwargs):
+        return [value] * len(completions)
+
+    args = GRPOConfig(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, num_generations=2,
+                      max_completion_length=4, logging_steps=1, save_strategy="no", report_to="none",
+                      disable_tqdm=True, seed=0)
+    prompts = load_dataset_any("builtin:zen", "standard_prompt_only").select(range(8))
+    trainer = GRPOTrainer(load_model("builtin:tiny-qwen2"), reward_funcs=all_none, args=args, train_dataset=prompts)
+    with caplog.at_level(logging.WARNING, logger="fusedalign.trainers.grpo_rollout"):
+        trainer.train()
+    warned = [r.getMessage() for r in caplog.records if "returned None or NaN" in r.getMessage()]
+    assert [w.split(":")[0] for w in warned] == ["step 1", "step 2"], warned
+    assert all("the reward function 'all_none' returned None or NaN for all 4" in w for w in warned)
+    assert all(e["loss"] == 0.0 for e in trainer.state.log_history if "loss" in e)
+
+
+def test_a_reward_scored_for_some_completions_warns_about_the_others(tmp_path, caplog):
+    def first_half(completions, **kwargs):
+        return [1.0 if i % 2 == 0 else None for i in range(len(completions))]
+
+    args = GRPOConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, num_generations=2,
+                      max_completion_length=4, save_strategy="no", report_to="none", disable_tqdm=True, seed=0)
+    prompts = load_dataset_any("builtin:zen", "standard_prompt_only").select(range(8))
+    trainer = GRPOTrainer(load_model("builtin:tiny-qwen2"), reward_funcs=[first_half], args=args,
+                          train_dataset=prompts)
+    with caplog.at_level(logging.WARNING, logger="fusedalign.trainers.grpo_rollout"):
+        trainer.train()
+    warned = [r.getMessage() for r in caplog.records if "returned None or NaN" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith("step 1: the reward function 'first_half' returned None or "
+                                                     "NaN for 2 of 4 completions (e.g. dataset row"), warned
 
 
