@@ -13,6 +13,11 @@ that run: the resumed run would cut the metrics log back to the checkpoint's ste
 write its own checkpoint-N and final model over the later ones. What lies past the
 checkpoint is therefore moved to an `OUTPUT_DIR.previous-<time>` directory first, at
 the same moment and in the same way as an overwritten run.
+
+Before anything moves, `check_resume` refuses what cannot continue the run as it would
+have gone (a checkpoint holding the weights alone, a generation batch of another shape,
+a step count the checkpoint is already past) and recognises a run that is already
+complete: the Trainer would train one more step past its end and replace its model.
 """
 
 from __future__ import annotations
@@ -30,6 +35,10 @@ from fusedalign.errors import CLIError
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 STATE_FILE = "trainer_state.json"  # written last in a checkpoint: its presence marks a complete one
 METRICS_FILE = "metrics.jsonl"
+_RNG_STATE = re.compile(r"^rng_state(_\d+)?\.pth$")  # the Trainer's, one a rank; absent under save_only_model
+# Flags that shape a generating trainer's batch: the saved generation window and the epoch count follow them.
+GENERATION_SHAPE = ("per_device_train_batch_size", "gradient_accumulation_steps", "num_generations",
+                    "steps_per_generation", "num_iterations")
 _EARLIER_LOG = re.compile(r"^metrics\.previous-\d+\.jsonl$")  # an earlier run's log, which no run writes again
 
 
@@ -51,6 +60,22 @@ def last_checkpoint(output_dir: str) -> str | None:
     return found[-1] if found else None
 
 
+def trainer_state(checkpoint: str) -> dict[str, Any]:
+    """A checkpoint's trainer_state.json (`global_step` an int)."""
+    try:
+        with open(os.path.join(checkpoint, STATE_FILE)) as f:
+            state = json.load(f)
+        return {**state, "global_step": int(state["global_step"])}
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CLIError(f"--resume_from_checkpoint {checkpoint}: unreadable {STATE_FILE} ({err}); "
+                       "expected the one the Trainer wrote.") from None
+
+
+def checkpoint_step(checkpoint: str) -> int:
+    """The step a checkpoint was saved at: the `global_step` of its trainer_state.json."""
+    return trainer_state(checkpoint)["global_step"]
+
+
 def resolve_resume(value: str | None, output_dir: str) -> str | None:
     """`--resume_from_checkpoint` as a checkpoint directory: a path, or `last`/`true` (the latest one)."""
     if value is None or value.strip().lower() in ("", "false", "no", "none"):
@@ -62,11 +87,111 @@ def resolve_resume(value: str | None, output_dir: str) -> str | None:
                 f"--resume_from_checkpoint {value}: {output_dir} holds no complete checkpoint-N directory "
                 "(one with trainer_state.json); start a new run instead, or pass a checkpoint directory."
             )
+        _refuse_weights_only(value, found, unless_finished=True)
         return found
     if not os.path.isfile(os.path.join(value, STATE_FILE)):
         what = "does not exist" if not os.path.exists(value) else f"has no {STATE_FILE}"
         raise CLIError(f"--resume_from_checkpoint {value}: {what}; expected a checkpoint-N directory, or `last`.")
+    _refuse_weights_only(value, value, unless_finished=True)
     return value
+
+
+def _refuse_weights_only(value: str, checkpoint: str, unless_finished: bool = False) -> None:
+    """A `--save_only_model` checkpoint has no optimizer, scheduler, RNG or generation state to resume.
+
+    With `unless_finished`, a checkpoint at its run's end passes: `check_resume` decides whether there is
+    anything to train (a finished run's requeued job has nothing to do and exits 0).
+    """
+    if any(_RNG_STATE.match(name) for name in os.listdir(checkpoint)):
+        return
+    if unless_finished:
+        state = trainer_state(checkpoint)
+        if state["global_step"] >= state.get("max_steps", float("inf")):
+            return
+    raise CLIError(
+        f"{_named(value, checkpoint)}: this checkpoint holds the weights alone, as --save_only_model true saves "
+        "them: no optimizer, scheduler, RNG or generation state (no rng_state*.pth), so a resumed run would not "
+        f"train as the uninterrupted one; start a new run from its weights with --model_name_or_path {checkpoint}."
+    )
+
+
+def _named(value: str, checkpoint: str) -> str:
+    """The flag as given, with the checkpoint it names when that is not the value itself (`last`)."""
+    return f"--resume_from_checkpoint {value}" + (f" ({checkpoint})" if value != checkpoint else "")
+
+
+def check_resume(checkpoint: str, args: Any) -> str | None:
+    """Whether the run can go on from `checkpoint` as the flags ask; called on every rank before loading.
+
+    Returns:
+        The line to print when the run the checkpoint belongs to is complete and the flags ask for no more
+        steps (nothing is to be trained, moved or written), else None: resume.
+
+    Raises:
+        CLIError: the checkpoint is past the flags' end, holds the weights alone, or was written with
+            another shape of generation batch.
+    """
+    state = trainer_state(checkpoint)
+    step, planned = state["global_step"], state.get("max_steps")
+    named = _named(args.resume_from_checkpoint, checkpoint)
+    if args.max_steps > 0:
+        reached, asked = step >= args.max_steps, f"--max_steps {args.max_steps}"
+        more = f"a --max_steps above {step}"
+    else:
+        epoch = float(state.get("epoch") or 0.0)
+        reached, asked = epoch >= args.num_train_epochs - 1e-6, f"--num_train_epochs {args.num_train_epochs}"
+        more = f"a --num_train_epochs above {epoch:g}"
+    if reached:
+        if planned is None or step < planned:
+            raise CLIError(f"{asked}: {named} is already at step {step} (its run was set to {planned} steps), "
+                           f"so there is nothing to train; give {more} to train on from it, or resume from an "
+                           "earlier checkpoint.")
+        return (f"[fusedalign] {named}: the run is already complete at step {step} (max_steps {planned}); "
+                f"its model is in {_final_model_dir(checkpoint)}. Nothing was trained, moved or written; "
+                f"give {more} to train on.")
+    _refuse_weights_only(args.resume_from_checkpoint, checkpoint)
+    _refuse_other_shape(checkpoint, args)
+    return None
+
+
+_MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "adapter_model.safetensors")
+
+
+def _final_model_dir(checkpoint: str) -> str:
+    """Where a complete run's model is: its output directory once saved there, else the checkpoint."""
+    parent = os.path.dirname(os.path.normpath(checkpoint)) or "."
+    return parent if any(os.path.isfile(os.path.join(parent, f)) for f in _MODEL_FILES) else checkpoint
+
+
+def _refuse_other_shape(checkpoint: str, args: Any) -> None:
+    """A generating trainer's checkpoint resumes only with the batch shape it was written with (its
+    training_args.bin says which): the window in progress holds completions of that shape, and the
+    epoch counter is counted in its batches."""
+    if not all(hasattr(args, name) for name in GENERATION_SHAPE):
+        return
+    saved = _saved_args(checkpoint)
+    for name in GENERATION_SHAPE:
+        before, now = getattr(saved, name, None), getattr(args, name)
+        if before is not None and before != now:
+            raise CLIError(
+                f"--{name} {now}: {_named(args.resume_from_checkpoint, checkpoint)} was written with {name} "
+                f"{before}, which shapes its generation batches (the window in progress and the epoch count); "
+                f"resume with --{name} {before}, or start a new run from its weights with --model_name_or_path "
+                f"{checkpoint}."
+            )
+
+
+def _saved_args(checkpoint: str) -> Any:
+    """The TrainingArguments the Trainer pickled into the checkpoint; None when absent or unreadable."""
+    path = os.path.join(checkpoint, "training_args.bin")
+    if not os.path.isfile(path):
+        return None
+    import torch
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception:  # written by another version: the shapes cannot be compared, the Trainer goes on
+        return None
 
 
 def _describe(output_dir: str) -> str:
@@ -135,16 +260,6 @@ def move_old_run_aside(args: Any) -> None:
             aside = move_aside(args.output_dir)
             print(f"[fusedalign] --overwrite_output_dir: the earlier run in {args.output_dir} was moved to {aside} "
                   "(nothing deleted).", file=sys.stderr)
-
-
-def checkpoint_step(checkpoint: str) -> int:
-    """The step a checkpoint was saved at: the `global_step` of its trainer_state.json."""
-    try:
-        with open(os.path.join(checkpoint, STATE_FILE)) as f:
-            return int(json.load(f)["global_step"])
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise CLIError(f"--resume_from_checkpoint {checkpoint}: unreadable {STATE_FILE} ({err}); "
-                       "expected the one the Trainer wrote.") from None
 
 
 def _records_past(log: str, step: int) -> int:

@@ -11,6 +11,7 @@ from fusedalign.cli.commands import TRAINING_COMMANDS, load
 from fusedalign.cli.interrupt import Interrupted, InterruptGuard
 from fusedalign.cli.output_dir import (
     check_output_dir,
+    check_resume,
     last_checkpoint,
     move_old_run_aside,
     move_past_checkpoint_aside,
@@ -188,6 +189,12 @@ def _run(command: str, argv: list[str], guard: InterruptGuard, run: dict[str, An
     # Refused before the slow part; an old run (or what lies past the checkpoint resumed from) is moved
     # aside only once the new one is ready to write.
     move_aside = check_output_dir(args.output_dir, resume=resume, overwrite=run_args.overwrite_output_dir)
+    complete = check_resume(resume, args) if resume is not None else None
+    if complete is not None:  # a requeued job of a finished run: the Trainer would take one more step
+        if _is_main_process():
+            print(complete, file=sys.stderr)
+        teardown_distributed()
+        return 0
     load("fusedalign.cli.precheck:check_models")(args, model_args)  # teacher, reference, rewards: before any weights
     train, evaluate = load_splits(command, script, args)
     trainer = build_trainer(command, script, args, model_args, train, evaluate)
