@@ -2,8 +2,9 @@
 
 At each logging step the completions generated since the last one (every rank's, gathered
 in rank order) are appended to `OUTPUT_DIR/completions.jsonl`, one JSON object a
-completion (step, prompt, completion, each reward function's value, the advantage), and the
-first `num_completions_to_print` of them (None: all) are printed as a table. TRL prints with
+completion (step, prompt, completion, each reward function's value, the advantage; a run
+without reward functions, distillation, has neither: its rows carry no `rewards` and no
+`advantage`), and the first `num_completions_to_print` of them (None: all) are printed as a table. TRL prints with
 rich and writes parquet; a table of plain text and JSON lines need no extra package.
 """
 
@@ -35,9 +36,10 @@ class CompletionLog:
         from accelerate.utils import gather_object
 
         values = rewards.double().cpu().tolist()
-        rows = [{"step": step, "prompt": p, "completion": c,
-                 "rewards": {n: _number(v) for n, v in zip(names, r)}, "advantage": _number(a)}
-                for p, c, r, a in zip(prompts, completions, values, advantages.double().cpu().tolist())]
+        rows = [{"step": step, "prompt": p, "completion": c} for p, c in zip(prompts, completions)]
+        if names:  # no reward function (distillation): no rewards, and no advantage to show
+            for row, r, a in zip(rows, values, advantages.double().cpu().tolist()):
+                row.update(rewards={n: _number(v) for n, v in zip(names, r)}, advantage=_number(a))
         gathered = gather_object(rows) if self.accelerator.num_processes > 1 else rows
         if self.accelerator.is_main_process:
             self.pending.extend(gathered)
@@ -57,11 +59,12 @@ class CompletionLog:
 
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
-    """A plain-text table: step, prompt, completion, rewards, advantage."""
-    names = list(rows[0]["rewards"])
-    header = ["step", "prompt", "completion", *names, "advantage"]
+    """A plain-text table: step, prompt, completion, and the rewards and advantage where the rows have them."""
+    scored = "advantage" in rows[0]
+    names = list(rows[0]["rewards"]) if scored else []
+    header = ["step", "prompt", "completion", *names, *(["advantage"] if scored else [])]
     body = [[str(r["step"]), _clip(_text(r["prompt"])), _clip(r["completion"]),
-             *(_fmt(r["rewards"][n]) for n in names), _fmt(r["advantage"])] for r in rows]
+             *(_fmt(r["rewards"][n]) for n in names), *([_fmt(r["advantage"])] if scored else [])] for r in rows]
     widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
     lines = [" | ".join(cell.ljust(w) for cell, w in zip(line, widths)) for line in [header, *body]]
     lines.insert(1, "-+-".join("-" * w for w in widths))

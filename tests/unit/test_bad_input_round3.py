@@ -145,3 +145,31 @@ def test_a_reward_scored_for_some_completions_warns_about_the_others(tmp_path, c
                                                      "NaN for 2 of 4 completions (e.g. dataset row"), warned
 
 
+# ---------------------------------------------------------------- distillation's completion log
+
+class _OneProcess:
+    num_processes, is_main_process = 1, True
+
+
+def test_a_completion_log_without_rewards_has_no_reward_or_advantage(tmp_path, capsys):
+    """Distillation's rows (no reward function): no `rewards` or `advantage` key, no such column."""
+    log = CompletionLog(True, _OneProcess())
+    nothing = torch.full((2,), float("nan"))
+    log.add(1, ["a prompt", "another"], ["done", "too"], nothing[:, None][:, :0], [], nothing)
+    log.flush(str(tmp_path), None)
+    rows = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    assert rows == [{"step": 1, "prompt": "a prompt", "completion": "done"},
+                    {"step": 1, "prompt": "another", "completion": "too"}]
+    header = capsys.readouterr().out.strip().splitlines()[0]
+    assert [c.strip() for c in header.split("|")] == ["step", "prompt", "completion"]
+    scored = format_table([{"step": 1, "prompt": "p", "completion": "c", "rewards": {"r": 0.5}, "advantage": 0.25}])
+    assert [c.strip() for c in scored.splitlines()[0].split("|")] == ["step", "prompt", "completion", "r", "advantage"]
+
+
+def test_distillation_log_completions_from_the_command_line(tmp_path, capsys):
+    out = tmp_path / "d"
+    assert main([*DISTILL, "--per_device_train_batch_size", "2", "--log_completions", "--output_dir", str(out)]) == 0
+    rows = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(set(r) == {"step", "prompt", "completion"} for r in rows)
+    printed = capsys.readouterr().out
+    assert "advantage" not in printed and "None" not in printed.split("step | prompt")[1].split("\n\n")[0]
