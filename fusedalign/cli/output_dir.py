@@ -12,7 +12,8 @@ Resuming from a checkpoint earlier than what the directory holds abandons the re
 that run: the resumed run would cut the metrics log back to the checkpoint's step and
 write its own checkpoint-N and final model over the later ones. What lies past the
 checkpoint is therefore moved to an `OUTPUT_DIR.previous-<time>` directory first, at
-the same moment and in the same way as an overwritten run.
+the same moment and in the same way as an overwritten run. The step-keyed logs
+(metrics.jsonl, completions.jsonl) keep their records up to the checkpoint's step.
 
 Before anything moves, `check_resume` refuses what cannot continue the run as it would
 have gone (a checkpoint holding the weights alone, a generation batch of another shape,
@@ -35,6 +36,8 @@ from fusedalign.errors import CLIError
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 STATE_FILE = "trainer_state.json"  # written last in a checkpoint: its presence marks a complete one
 METRICS_FILE = "metrics.jsonl"
+COMPLETIONS_FILE = "completions.jsonl"  # --log_completions (fusedalign.trainers.grpo_completions.FILE)
+STEP_LOGS = (METRICS_FILE, COMPLETIONS_FILE)  # JSON lines with a `step`: cut back to the checkpoint's on resume
 _RNG_STATE = re.compile(r"^rng_state(_\d+)?\.pth$")  # the Trainer's, one a rank; absent under save_only_model
 # Flags that shape a generating trainer's batch: the saved generation window and the epoch count follow them.
 GENERATION_SHAPE = ("per_device_train_batch_size", "gradient_accumulation_steps", "num_generations",
@@ -263,7 +266,7 @@ def move_old_run_aside(args: Any) -> None:
 
 
 def _records_past(log: str, step: int) -> int:
-    """How many records of a metrics log are past `step` (lines cut short by a kill are not records)."""
+    """How many records of a step-keyed log are past `step` (lines cut short by a kill are not records)."""
     count = 0
     with open(log) as f:
         for line in f:
@@ -281,15 +284,17 @@ def _kept_on_resume(output_dir: str, checkpoint: str, step: int, name: str) -> b
     if match:
         return int(match.group(1)) <= step
     inside = os.path.relpath(os.path.realpath(checkpoint), os.path.realpath(output_dir))
-    return name in (METRICS_FILE, inside.split(os.sep)[0]) or bool(_EARLIER_LOG.match(name))
+    return name in (*STEP_LOGS, inside.split(os.sep)[0]) or bool(_EARLIER_LOG.match(name))
 
 
 def move_past_checkpoint(output_dir: str, checkpoint: str) -> str | None:
     """Moves aside what `output_dir` holds past `checkpoint`'s step, before a run resumes from it.
 
-    The later checkpoint-N directories and every other file of the run but the metrics log
-    (its final model, tokenizer, curves) are moved to `OUTPUT_DIR.previous-<time>`; the
-    metrics log is copied there whole and then cut back to the checkpoint's step.
+    The later checkpoint-N directories and every other file of the run but its step-keyed
+    logs (its final model, tokenizer, curves) are moved to `OUTPUT_DIR.previous-<time>`;
+    each log (metrics.jsonl, completions.jsonl) is copied there whole and then cut back to
+    the checkpoint's step, so that the resumed run appends exactly what the uninterrupted
+    one logged after it.
 
     Returns:
         The line that tells the user what was moved where, or None when nothing lies past the checkpoint.
@@ -297,11 +302,11 @@ def move_past_checkpoint(output_dir: str, checkpoint: str) -> str | None:
     if not os.path.isdir(output_dir):
         return None
     step = checkpoint_step(checkpoint)
-    log = os.path.join(output_dir, METRICS_FILE)
-    dropped = _records_past(log, step) if os.path.isfile(log) else 0
+    logs = [name for name in STEP_LOGS if os.path.isfile(os.path.join(output_dir, name))]
+    dropped = {name: _records_past(os.path.join(output_dir, name), step) for name in logs}
     later = sorted(name for name in os.listdir(output_dir)
                    if _CHECKPOINT.match(name) and int(_CHECKPOINT.match(name).group(1)) > step)
-    if not later and not dropped:
+    if not later and not any(dropped.values()):
         return None  # the checkpoint is the run's latest state: resuming abandons nothing
     others = sorted(name for name in os.listdir(output_dir)
                     if name not in later and not _kept_on_resume(output_dir, checkpoint, step, name))
@@ -309,16 +314,17 @@ def move_past_checkpoint(output_dir: str, checkpoint: str) -> str | None:
     os.makedirs(aside)
     for name in later + others:
         os.rename(os.path.join(output_dir, name), os.path.join(aside, name))
-    if os.path.isfile(log):
-        from fusedalign.trainers.callbacks import keep_until_step
+    from fusedalign.trainers.callbacks import keep_until_step
 
-        shutil.copy2(log, os.path.join(aside, METRICS_FILE))
-        keep_until_step(log, step)
-    moved = later + [_count(dropped, f"{METRICS_FILE} record")] * bool(dropped)
+    for name in logs:
+        shutil.copy2(os.path.join(output_dir, name), os.path.join(aside, name))
+        keep_until_step(os.path.join(output_dir, name), step)
+    moved = later + [_count(n, f"{name} record") for name, n in dropped.items() if n]
     shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
     moved += [f"{_count(len(others), 'other file')} of the run ({shown})"] * bool(others)
+    whole = f"; the whole earlier {' and '.join(logs)} {'are' if len(logs) > 1 else 'is'} there too" if logs else ""
     return (f"[fusedalign] resuming from step {step}: what {output_dir} held past it was moved to {aside} "
-            f"(nothing deleted): {', '.join(moved)}; the whole earlier {METRICS_FILE} is there too.")
+            f"(nothing deleted): {', '.join(moved)}{whole}.")
 
 
 def _count(n: int, noun: str) -> str:
@@ -332,3 +338,19 @@ def move_past_checkpoint_aside(args: Any, checkpoint: str) -> None:
             report = move_past_checkpoint(args.output_dir, checkpoint)
             if report:
                 print(report, file=sys.stderr)
+    if args.process_index == 0:
+        note = elsewhere_note(args.output_dir, checkpoint)
+        if note:
+            print(note, file=sys.stderr)
+
+
+def elsewhere_note(output_dir: str, checkpoint: str) -> str | None:
+    """The line saying where the first steps are logged when the checkpoint is another directory's."""
+    inside = os.path.relpath(os.path.realpath(checkpoint), os.path.realpath(output_dir))
+    if inside != ".." and not inside.startswith(".." + os.sep):
+        return None
+    step = checkpoint_step(checkpoint)
+    earlier = os.path.join(os.path.dirname(os.path.normpath(checkpoint)), METRICS_FILE)
+    where = f"are logged in {earlier}" if os.path.isfile(earlier) else "are not in it"
+    return (f"[fusedalign] resuming from {checkpoint}, outside --output_dir: {os.path.join(output_dir, METRICS_FILE)} "
+            f"starts at step {step + 1}; steps 1-{step} {where}.")

@@ -1,10 +1,12 @@
 """Resuming at the edges: a run already complete, a checkpoint holding the weights alone, a
-generation batch of another shape. Each refusal is one line (exit 2) that changes nothing on disk."""
+generation batch of another shape, the completions log of an interrupted run, and a checkpoint
+taken from another directory. Each refusal is one line (exit 2) that changes nothing on disk."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 from types import SimpleNamespace
 
 import pytest
@@ -17,7 +19,15 @@ from fusedalign.errors import CLIError
 
 SFT = ["--eval_strategy", "no"]  # the demo's constant learning rate: a longer run is the shorter one continued
 GRPO = ["--per_device_train_batch_size", "8", "--num_generations", "4", "--max_completion_length", "8",
-        "--logging_steps", "1"]
+        "--logging_steps", "1", "--reward_funcs", "tests.unit.test_resume_edges.interrupting_reward"]
+STOP = {"at": None}  # the step whose generation sends this process SIGINT (a Ctrl-C mid-run)
+
+
+def interrupting_reward(completions, trainer_state=None, **kwargs):
+    """A reward of the completions' length; interrupts the run while generating for step STOP["at"]."""
+    if STOP["at"] is not None and trainer_state.global_step + 1 == STOP["at"]:
+        os.kill(os.getpid(), signal.SIGINT)
+    return [len(c) / 8.0 for c in completions]
 
 
 def _tree(root) -> dict[str, bytes]:
@@ -171,7 +181,32 @@ def test_the_rng_state_of_every_layout_marks_a_whole_checkpoint(tmp_path):
         resolve_resume(weights, str(tmp_path))
 
 
-# ------------------------------------------------------------------------ GRPO: batch shape
+# ------------------------------------------------------------- GRPO: completions and batch shape
+
+
+def test_completions_log_of_an_interrupted_run_resumed_equals_the_uninterrupted_one(tmp_path, capsys):
+    """Ctrl-C during step 9 (checkpoint-5 lies inside a window: num_iterations 2 generates at steps 1, 3,
+    5, 7, 9): completions.jsonl keeps the rows up to step 5, the rows of step 7 go aside with the
+    metrics records of steps 6 to 8, and the resumed run appends exactly the uninterrupted run's rows."""
+    flags = [*GRPO, "--log_completions", "--num_completions_to_print", "0", "--max_steps", "10",
+             "--save_steps", "5"]
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    assert main(["grpo", *flags, "--output_dir", str(straight)]) == 0
+    STOP["at"] = 9
+    try:
+        assert main(["grpo", *flags, "--output_dir", str(run)]) == 130
+    finally:
+        STOP["at"] = None
+    before = _records(run / "completions.jsonl")
+    assert sorted({r["step"] for r in before}) == [1, 3, 5, 7] and not (run / "checkpoint-10").exists()
+    capsys.readouterr()
+    assert main(["grpo", *flags, "--output_dir", str(run), "--resume_from_checkpoint", "last"]) == 0
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if "moved to" in line]
+    assert "3 metrics.jsonl records, 8 completions.jsonl records" in line
+    assert "the whole earlier metrics.jsonl and completions.jsonl are there too" in line
+    assert _records(run / "completions.jsonl") == _records(straight / "completions.jsonl")
+    (aside,) = tmp_path.glob("run.previous-*")
+    assert _records(aside / "completions.jsonl") == before
 
 
 def test_a_generation_batch_of_another_shape_is_refused(tmp_path, capsys):
@@ -191,3 +226,18 @@ def test_a_generation_batch_of_another_shape_is_refused(tmp_path, capsys):
         assert line.endswith(f"resume with --{flag} {saved}, or start a new run from its weights with "
                              f"--model_name_or_path {checkpoint}.")
     assert _tree(tmp_path) == before
+
+
+# ------------------------------------------------------------- a checkpoint of another directory
+
+
+def test_resuming_from_another_directorys_checkpoint_says_where_the_first_steps_are(tmp_path, capsys):
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert main(["sft", *SFT, "--max_steps", "3", "--save_steps", "2", "--output_dir", str(first)]) == 0
+    capsys.readouterr()
+    assert main(["sft", *SFT, "--max_steps", "3", "--output_dir", str(second),
+                 "--resume_from_checkpoint", str(first / "checkpoint-2")]) == 0
+    err = capsys.readouterr().err
+    assert (f"[fusedalign] resuming from {first / 'checkpoint-2'}, outside --output_dir: "
+            f"{second / 'metrics.jsonl'} starts at step 3; steps 1-2 are logged in {first / 'metrics.jsonl'}.") in err
+    assert sorted(_train_records(second)) == [3]
