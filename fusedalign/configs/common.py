@@ -5,6 +5,7 @@ Flag names follow TRL where the meaning is the same, so a TRL command line carri
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from dataclasses import dataclass, field
 
@@ -63,6 +64,9 @@ class ModelArguments:
     use_dora: bool = field(default=False, metadata={"help": "Weight-decomposed LoRA (DoRA); not on lm_head with the "
                                                             "fused head."})
 
+    def __post_init__(self):
+        check_attention_available(self.attn_implementation, "--attn_implementation")
+
 
 TRUNCATION_MODES = ("keep_start", "keep_end")
 
@@ -73,18 +77,99 @@ def default_bf16(args: TrainingArguments) -> bool:
     return bool(not args.fp16 and not args.use_cpu and torch.cuda.is_available() and torch.cuda.is_bf16_supported())
 
 
-def _init_kwargs(value: dict | str | None) -> dict | None:
-    """`model_init_kwargs` as a dict (JSON from a command line or a YAML string)."""
+def _init_kwargs(value: dict | str | None, name: str = "model_init_kwargs",
+                 example: str = '{"dtype": "bfloat16"}') -> dict | None:
+    """A dict field (`model_init_kwargs`, `generation_kwargs`, ...) as a dict: JSON from a command line or a
+    YAML string, or the dict a YAML mapping or the Python API gives."""
     if value is None or isinstance(value, dict):
         return value
     try:
         parsed = json.loads(value)
     except json.JSONDecodeError as err:
-        raise ValueError(f"model_init_kwargs must be a JSON object, e.g. '{{\"dtype\": \"bfloat16\"}}'; got {value!r} "
-                         f"({err.msg})") from None
+        raise ValueError(f"{name} must be a JSON object, e.g. '{example}'; got {value!r} ({err.msg})") from None
     if not isinstance(parsed, dict):
-        raise ValueError(f"model_init_kwargs must be a JSON object, e.g. '{{\"dtype\": \"bfloat16\"}}'; got {value!r}")
+        raise ValueError(f"{name} must be a JSON object, e.g. '{example}'; got {value!r}")
     return parsed
+
+
+def check_init_dtype(init_kwargs: dict | None, name: str) -> None:
+    """Refuses a `dtype` in a from_pretrained kwargs dict that names no torch dtype (torch would raise an
+    AttributeError when the model loads)."""
+    dtype = (init_kwargs or {}).get("dtype")
+    if isinstance(dtype, str) and dtype != "auto" and not isinstance(getattr(torch, dtype, None), torch.dtype):
+        raise ValueError(f"{name} dtype {dtype!r}: expected auto or a torch dtype name (bfloat16, float16, float32).")
+
+
+# Where transformers finds each FlashAttention: (its availability check, the module, the pip package).
+FLASH_ATTENTION = {"flash_attention_2": ("is_flash_attn_2_available", "flash_attn", "flash-attn"),
+                   "flash_attention_3": ("is_flash_attn_3_available", "flash_attn_interface", "flash-attn-3")}
+
+
+def check_attention_available(value: str | None, flag: str) -> None:
+    """Refuses a FlashAttention implementation that cannot load here, before any model does (transformers
+    would raise a long ImportError from inside from_pretrained).
+
+    Without the package transformers falls back to the `kernels` library's build from the hub, on a
+    CUDA device: that is left to it.
+    """
+    if value not in FLASH_ATTENTION:
+        return
+    from transformers.utils import import_utils
+
+    check, module, package = FLASH_ATTENTION[value]
+    if getattr(import_utils, check)():
+        return
+    way_out = "use sdpa (or eager, flex_attention)"
+    if not torch.cuda.is_available():
+        raise ValueError(f"{flag} {value}: FlashAttention runs on a CUDA device and none is visible here; {way_out}.")
+    if not import_utils.is_kernels_available():
+        installed = importlib.util.find_spec(module) is not None
+        raise ValueError(f"{flag} {value}: the {package} package is "
+                         f"{'too old for transformers' if installed else 'not installed'} (pip install -U {package}), "
+                         f"or {way_out}.")
+
+
+# The package each `report_to` integration needs, and transformers' check that it is there.
+REPORT_TO_PACKAGES = {
+    "wandb": ("is_wandb_available", "wandb"), "tensorboard": ("is_tensorboard_available", "tensorboard"),
+    "trackio": ("is_trackio_available", "trackio"), "mlflow": ("is_mlflow_available", "mlflow"),
+    "azure_ml": ("is_azureml_available", "azureml-sdk"), "neptune": ("is_neptune_available", "neptune"),
+    "codecarbon": ("is_codecarbon_available", "codecarbon"), "clearml": ("is_clearml_available", "clearml"),
+    "dagshub": ("is_dagshub_available", "dagshub mlflow"), "flyte": ("is_flytekit_available", "flytekit"),
+    "dvclive": ("is_dvclive_available", "dvclive"), "swanlab": ("is_swanlab_available", "swanlab"),
+}
+
+
+def check_report_to(report_to: list[str]) -> None:
+    """Refuses a `report_to` integration that is unknown or whose package is missing, before any model loads
+    (the Trainer would raise when it builds the integration's callback, after the models have loaded)."""
+    from transformers.integrations import integration_utils
+
+    for name in report_to:
+        if name not in integration_utils.INTEGRATION_TO_CALLBACK:
+            raise ValueError(f"--report_to {name}: expected none, all or one of "
+                             f"{', '.join(integration_utils.INTEGRATION_TO_CALLBACK)}.")
+        if name == "comet_ml":  # its check also wants an API key; the callback only the package
+            available = integration_utils._is_comet_installed and integration_utils._is_comet_recent_enough
+            check, package = None, "comet-ml"
+        else:
+            check, package = REPORT_TO_PACKAGES.get(name, (None, None))
+            available = check is None or getattr(integration_utils, check, lambda: True)()
+        if not available:
+            raise ValueError(f"--report_to {name}: the {package} package is not installed "
+                             f"(pip install {package}, or --report_to none).")
+
+
+def check_positive_sizes(args: TrainingArguments) -> None:
+    """Refuses batch sizes, step counts and saving intervals that would train nothing, or not as asked."""
+    for flag in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag} must be >= 1; got {getattr(args, flag)}.")
+    if args.max_steps == 0 or args.max_steps < -1:
+        raise ValueError(f"--max_steps must be > 0, or -1 to train --num_train_epochs epochs; got {args.max_steps}.")
+    if args.save_strategy == "steps" and args.save_steps <= 0:
+        raise ValueError(f"--save_steps must be > 0 when saving by steps (a value below 1 is a share of the "
+                         f"training steps); got {args.save_steps:g}.")
 
 
 def check_choice(flag: str, value: object, choices: tuple) -> None:
@@ -171,6 +256,11 @@ class FusedAlignConfig(TrainingArguments):
         # `setup_distributed()` (before any config) and by the trainer.
         configure_cpu_arguments(self)
         super().__post_init__()
+        check_positive_sizes(self)
+        check_report_to(self.report_to)
+        check_init_dtype(self.model_init_kwargs, "model_init_kwargs")
+        check_attention_available((self.model_init_kwargs or {}).get("attn_implementation"),
+                                  "model_init_kwargs attn_implementation")
         if self.max_length is not None and self.max_length <= 0:
             raise ValueError(f"max_length must be positive, got {self.max_length}.")
         if self.compile_layers and self.gradient_checkpointing:

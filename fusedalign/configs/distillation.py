@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field, fields
 
+from fusedalign.configs.common import _init_kwargs, check_attention_available, check_init_dtype
 from fusedalign.configs.grpo import GRPOConfig
 from fusedalign.configs.packed import PADDING_FREE_HELP
 
@@ -53,8 +54,9 @@ class DistillationConfig(GRPOConfig):
         default=None, metadata={"help": "The teacher: builtin:<name>, a local path or a hub id; it must use the "
                                 "student's tokenizer (its head may have more, padded, rows when beta > 0)."})
     teacher_model_revision: str | None = field(default=None, metadata={"help": "Revision of a hub teacher."})
-    teacher_model_init_kwargs: dict | None = field(
-        default=None, metadata={"help": "More keyword arguments of the teacher's from_pretrained."})
+    teacher_model_init_kwargs: dict | str | None = field(
+        default=None, metadata={"help": "More keyword arguments of the teacher's from_pretrained: a dict, or its JSON "
+                                "('{\"dtype\": \"bfloat16\"}' on the command line)."})
     beta: float = field(default=1.0, metadata={"help": "The divergence: 0 forward KL(teacher || student), 0.5 JSD, "
                                                        "1 reverse KL(student || teacher); in [0, 1]. Not a KL "
                                                        "penalty: there is no reference model."})
@@ -110,6 +112,10 @@ class DistillationConfig(GRPOConfig):
                                  "scored by the teacher: see `fusedalign distillation --help`).")
         if not 0.0 <= self.beta <= 1.0:
             raise ValueError(f"beta must be in [0, 1] (0 forward KL, 0.5 JSD, 1 reverse KL); got {self.beta!r}.")
+        self.teacher_model_init_kwargs = _init_kwargs(self.teacher_model_init_kwargs, "teacher_model_init_kwargs")
+        check_init_dtype(self.teacher_model_init_kwargs, "teacher_model_init_kwargs")
+        check_attention_available((self.teacher_model_init_kwargs or {}).get("attn_implementation"),
+                                  "teacher_model_init_kwargs attn_implementation")
         super().__post_init__()
 
     def _check_packed(self) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fusedalign.configs.common import FusedAlignConfig, check_choice
+from fusedalign.configs.common import FusedAlignConfig, _init_kwargs, check_choice
 from fusedalign.configs.packed import MAX_TOKENS_HELP, PADDING_FREE_HELP, check_packed_batching
 from fusedalign.distributed import check_compile_generation_supported
 from fusedalign.generation.decode_attention import KERNELS
@@ -83,7 +83,9 @@ class GRPOConfig(FusedAlignConfig):
     top_k: int = field(default=0, metadata={"help": "0: no top-k filtering."})
     min_p: float | None = field(default=None)
     repetition_penalty: float = field(default=1.0)
-    generation_kwargs: dict | None = field(default=None, metadata={"help": "More transformers GenerationConfig fields."})
+    generation_kwargs: dict | str | None = field(
+        default=None, metadata={"help": "More transformers GenerationConfig fields: a dict, or its JSON "
+                                "('{\"do_sample\": false}' on the command line)."})
     cache_implementation: str | None = field(default=None, metadata={"help": "generate's cache, e.g. 'static'."})
     compile_generation: bool = field(
         default=False, metadata={"help": "Compile the decoding step (not in TRL, which disables compile). static: "
@@ -144,6 +146,7 @@ class GRPOConfig(FusedAlignConfig):
     def __post_init__(self):
         self.scale_rewards = {True: "group", False: "none", "true": "group", "false": "none"}.get(
             self.scale_rewards, self.scale_rewards)
+        self.generation_kwargs = _init_kwargs(self.generation_kwargs, "generation_kwargs", '{"do_sample": false}')
         super().__post_init__()
         self._check_choices()
         self._check_numbers()

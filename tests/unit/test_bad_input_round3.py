@@ -93,6 +93,133 @@ def test_a_sequence_classifier_still_loads_and_its_report_of_unexpected_keys_is_
     assert "LOAD REPORT" in caplog.text and "extra.weight" in caplog.text
 
 
+# ---------------------------------------------------------------- integrations and attention
+
+@pytest.mark.parametrize("name, check, package", [("wandb", "is_wandb_available", "wandb"),
+                                                  ("tensorboard", "is_tensorboard_available", "tensorboard")])
+def test_report_to_a_missing_package_is_one_line_before_any_model(name, check, package, monkeypatch, tmp_path,
+                                                                  capsys, no_model_load):
+    from transformers.integrations import integration_utils
+
+    monkeypatch.setattr(integration_utils, check, lambda: False)
+    _refused([*RLOO, "--reward_funcs", "zen_words", "--report_to", name, "--output_dir", str(tmp_path / "r")],
+             capsys, f"--report_to {name}: the {package} package is not installed",
+             f"pip install {package}, or --report_to none")
+
+
+def test_report_to_an_unknown_integration_is_one_line(tmp_path, capsys, no_model_load):
+    _refused(["dpo", "--report_to", "wandbb", "--output_dir", str(tmp_path / "r")], capsys,
+             "--report_to wandbb: expected none, all or one of", "wandb")
+
+
+def test_report_to_none_and_all_are_accepted(tmp_path):
+    assert GRPOConfig(output_dir=str(tmp_path), report_to="none").report_to == []
+    GRPOConfig(output_dir=str(tmp_path), report_to="all")  # only what is installed
+
+
+@pytest.mark.parametrize("cuda, kernels, expected", [
+    (False, False, "FlashAttention runs on a CUDA device and none is visible here"),
+    (True, False, "the flash-attn package is (not installed|too old for transformers) \\(pip install -U flash-attn\\), "
+                  "or use sdpa"),
+])
+def test_flash_attention_that_cannot_load_is_refused_at_parse(cuda, kernels, expected, monkeypatch):
+    from transformers.utils import import_utils
+
+    monkeypatch.setattr(import_utils, "is_flash_attn_2_available", lambda: False)
+    monkeypatch.setattr(import_utils, "is_kernels_available", lambda: kernels)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    with pytest.raises(ValueError, match="--attn_implementation flash_attention_2: " + expected):
+        ModelArguments(attn_implementation="flash_attention_2")
+
+
+def test_flash_attention_is_left_to_transformers_where_it_can_load(monkeypatch):
+    """A CUDA device and the kernels library: transformers loads a hub build of the kernel instead."""
+    from transformers.utils import import_utils
+
+    monkeypatch.setattr(import_utils, "is_flash_attn_2_available", lambda: False)
+    monkeypatch.setattr(import_utils, "is_kernels_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert ModelArguments(attn_implementation="flash_attention_2").attn_implementation == "flash_attention_2"
+    assert ModelArguments(attn_implementation="sdpa").attn_implementation == "sdpa"
+
+
+def test_flash_attention_on_the_command_line_is_one_line_before_any_model(monkeypatch, tmp_path, capsys,
+                                                                          no_model_load):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    _refused([*DISTILL, "--padding_free", "true", "--attn_implementation", "flash_attention_2", "--output_dir",
+              str(tmp_path / "r")], capsys, "--attn_implementation flash_attention_2: FlashAttention runs on a CUDA")
+
+
+def test_teacher_init_kwargs_the_teacher_does_not_take_are_one_line(tmp_path, capsys):
+    """From --config YAML (the report's case) and as JSON on the command line."""
+    config = tmp_path / "run.yaml"
+    config.write_text("teacher_model_init_kwargs:\n  not_a_kwarg: 3\n")
+    out = tmp_path / "r"
+    for extra in (["--config", str(config)], ["--teacher_model_init_kwargs", '{"not_a_kwarg": 3}']):
+        _refused([*DISTILL, *extra, "--output_dir", str(out)], capsys,
+                 "teacher_model_init_kwargs: 'not_a_kwarg' is not an argument of the teacher's from_pretrained")
+    assert not out.exists()
+
+
+def test_teacher_init_kwargs_with_an_unknown_dtype_are_one_line_before_any_model(tmp_path, capsys, no_model_load):
+    _refused([*DISTILL, "--teacher_model_init_kwargs", '{"dtype": "float33"}', "--output_dir", str(tmp_path / "r")],
+             capsys, "teacher_model_init_kwargs dtype 'float33': expected auto or a torch dtype name")
+
+
+# ---------------------------------------------------------------- dict flags as JSON
+
+def test_dict_flags_take_json_on_the_command_line(tmp_path):
+    from fusedalign.cli.help import dataclass_types
+
+    argv = ["--output_dir", str(tmp_path), "--generation_kwargs", '{"do_sample": false, "num_beams": 1}']
+    args = parse("grpo", dataclass_types("grpo"), argv)[1]
+    assert args.generation_kwargs == {"do_sample": False, "num_beams": 1}
+    args = parse("distillation", dataclass_types("distillation"),
+                 ["--output_dir", str(tmp_path), "--teacher_model_init_kwargs", '{"dtype": "float32"}'])[1]
+    assert args.teacher_model_init_kwargs == {"dtype": "float32"}
+    # A dict (YAML, Python) is kept as it is.
+    assert GRPOConfig(output_dir=str(tmp_path), generation_kwargs={"do_sample": False}).generation_kwargs == {
+        "do_sample": False}
+
+
+@pytest.mark.parametrize("flag, value, expected", [
+    ("--generation_kwargs", "{do_sample: false}",
+     "generation_kwargs must be a JSON object, e.g. '{\"do_sample\": false}'"),
+    ("--generation_kwargs", "[1, 2]", "generation_kwargs must be a JSON object"),
+    ("--teacher_model_init_kwargs", "{'dtype': 'float32'}", "teacher_model_init_kwargs must be a JSON object"),
+])
+def test_bad_json_in_a_dict_flag_is_one_line(flag, value, expected, tmp_path, capsys, no_model_load):
+    command = DISTILL if flag == "--teacher_model_init_kwargs" else [*RLOO, "--reward_funcs", "zen_words"]
+    _refused([*command, flag, value, "--output_dir", str(tmp_path / "r")], capsys, expected, repr(value))
+
+
+# ---------------------------------------------------------------- sizes
+
+@pytest.mark.parametrize("command", ["rloo", "distillation", "dpo"])
+@pytest.mark.parametrize("flag, value, expected", [
+    ("--per_device_train_batch_size", "0", "--per_device_train_batch_size must be >= 1; got 0."),
+    ("--per_device_train_batch_size", "-4", "--per_device_train_batch_size must be >= 1; got -4."),
+    ("--gradient_accumulation_steps", "0", "--gradient_accumulation_steps must be >= 1; got 0."),
+    ("--per_device_eval_batch_size", "0", "--per_device_eval_batch_size must be >= 1; got 0."),
+    ("--max_steps", "0", "--max_steps must be > 0, or -1 to train --num_train_epochs epochs; got 0."),
+    ("--max_steps", "-5", "--max_steps must be > 0, or -1 to train --num_train_epochs epochs; got -5."),
+    ("--save_steps", "0", "--save_steps must be > 0 when saving by steps"),
+    ("--save_steps", "-3", "--save_steps must be > 0 when saving by steps"),
+])
+def test_zero_or_negative_sizes_are_refused_before_any_model(command, flag, value, expected, tmp_path, capsys,
+                                                            no_model_load):
+    err = _refused([command, flag, value, "--output_dir", str(tmp_path / "r")], capsys, expected)
+    assert "distinct prompts" not in err and "steps_per_generation" not in err
+
+
+def test_the_sizes_transformers_means_something_by_are_kept(tmp_path):
+    """max_steps -1 trains epochs; save_steps below 1 is a share of the training steps; with another
+    save_strategy, save_steps is not read."""
+    args = GRPOConfig(output_dir=str(tmp_path), max_steps=-1, save_strategy="steps", save_steps=0.25)
+    assert args.max_steps == -1 and args.save_steps == 0.25
+    assert GRPOConfig(output_dir=str(tmp_path), save_strategy="no", save_steps=0).save_steps == 0
+
+
 # ---------------------------------------------------------------- rewards without a value
 
 def test_unscored_warning_names_the_step_the_functions_and_one_completion():
