@@ -50,13 +50,14 @@ def split_argv(argv: list[str]) -> tuple[list[str], str, list[str]]:
     raise CLIError(f"fusedalign launch: no training command ({', '.join(TRAINING_COMMANDS)}) given. {USAGE}")
 
 
-def validate(launch_args: list[str], command: str, argv: list[str]) -> None:
+def validate(launch_args: list[str], command: str, argv: list[str]) -> str | None:
     """Everything a run checks before training that one process can check: the accelerate config
-    against this machine, then flags, output dir, models and reward functions, data (`cli.precheck`)."""
+    against this machine, then flags, output dir, the checkpoint resumed from, models and reward
+    functions, data (`cli.precheck`). Returns the line saying the run is already complete, or None."""
     from fusedalign.cli.precheck import check_launch_config, check_run
 
     check_launch_config(launch_args, command)
-    check_run(command, argv)
+    return check_run(command, argv)
 
 
 class HeldOutput:
@@ -112,7 +113,10 @@ def run_launch(argv: list[str]) -> int:
         print(USAGE)
         return 0
     options, command, flags = split_argv(argv)
-    validate(options, command, flags)
+    complete = validate(options, command, flags)
+    if complete is not None:  # a requeued job of a finished run: no process is started
+        print(complete, file=sys.stderr)
+        return 0
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *options, "-m", "fusedalign", command, *flags]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "FUSEDALIGN_LAUNCHED": "1"}
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, env=env)

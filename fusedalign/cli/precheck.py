@@ -103,16 +103,27 @@ def check_inputs(command: str, script: Any, args: Any, model_args: Any) -> None:
     load_splits(command, script, args)
 
 
-def check_run(command: str, argv: list[str]) -> None:
-    """Everything a run checks before training that one process can check: flags, output dir, models, data."""
+def check_run(command: str, argv: list[str]) -> str | None:
+    """Everything a run checks before training that one process can check: flags, output dir, the
+    checkpoint it resumes from, models, data.
+
+    Returns:
+        The line that says the run is already complete (a finished run resumed with flags that ask for
+        no more steps: nothing is to be started), else None.
+    """
     from fusedalign.cli.help import dataclass_types
-    from fusedalign.cli.output_dir import check_output_dir, resolve_resume
+    from fusedalign.cli.output_dir import check_output_dir, check_resume, resolve_resume
     from fusedalign.cli.parsing import parse
 
     script, args, model_args, run_args = parse(command, dataclass_types(command), argv, announce=False)
     resume = resolve_resume(args.resume_from_checkpoint, args.output_dir)
     check_output_dir(args.output_dir, resume=resume, overwrite=run_args.overwrite_output_dir)
+    if resume is not None:
+        complete = check_resume(resume, args)
+        if complete is not None:
+            return complete
     check_inputs(command, script, args, model_args)
+    return None
 
 
 def _without(launch_args: list[str], names: tuple[str, ...]) -> list[str]:

@@ -71,6 +71,22 @@ def test_a_complete_run_resumed_with_its_flags_changes_nothing(tmp_path, capsys)
         assert _tree(tmp_path) == before  # byte for byte: no checkpoint-4, no new model, metrics.jsonl unchanged
 
 
+def test_fusedalign_launch_starts_no_process_for_a_complete_run(tmp_path, capsys, monkeypatch):
+    """Under `fusedalign launch` the pre-check finds the run complete: one line, exit 0, nothing started."""
+    import subprocess
+
+    out = tmp_path / "run"
+    flags = [*SFT, "--max_steps", "2", "--save_steps", "2", "--output_dir", str(out)]
+    assert main(["sft", *flags]) == 0
+    before = _tree(tmp_path)
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("a process was started"))
+    capsys.readouterr()
+    assert main(["launch", "--config_file", "configs/accelerate/cpu/ddp.yaml", "sft", *flags,
+                 "--resume_from_checkpoint", "last"]) == 0
+    assert "the run is already complete at step 2" in capsys.readouterr().err
+    assert _tree(tmp_path) == before
+
+
 def test_a_complete_run_given_more_steps_trains_on_as_the_longer_run(tmp_path, capsys):
     """A larger --max_steps extends a finished run: steps 4 and 5 are those of a 5-step run (constant
     learning rate), each logged once, and it ends on that run's weights."""
