@@ -130,6 +130,22 @@ def load_model(name_or_path: str | os.PathLike, *, dtype: Any = None, **kwargs: 
     return model
 
 
+def load_model_with(name_or_path: str | os.PathLike, field: str, init_kwargs: dict[str, Any] | None,
+                    **kwargs: Any):
+    """`load_model(name_or_path, **kwargs, **init_kwargs)`, where `init_kwargs` is the user's `field`
+    (`model_init_kwargs`, `teacher_model_init_kwargs`): a key neither from_pretrained nor the model
+    takes is one line naming the field (the model's __init__ raises a TypeError about it)."""
+    init_kwargs = dict(init_kwargs or {})
+    try:
+        return load_model(name_or_path, **{**kwargs, **init_kwargs})
+    except TypeError as error:
+        bad = re.search(r"unexpected keyword argument '(\w+)'", str(error))
+        if bad is None or bad.group(1) not in init_kwargs:
+            raise
+        raise ValueError(f"{field}: {bad.group(1)!r} is not an argument of from_pretrained or of the model of "
+                         f"{name_or_path} ({error}); remove it.") from None
+
+
 def _hub_kwargs(path: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     """`from_pretrained` arguments for `path`: a hub id is checked first (fails in seconds when offline)."""
     if os.path.exists(path) or kwargs.get("local_files_only"):

@@ -70,14 +70,14 @@ def _load_kwargs(model_args: Any) -> dict[str, Any]:
 def load_model_from(model_args: Any, args: Any = None) -> Any:
     """The policy as the flags ask: `--dtype` (float32 by default, as TRL's), revision, attention; the
     config's `model_init_kwargs`, when given, on top."""
-    from fusedalign.models import load_model
+    from fusedalign.models import load_model_with
 
     kwargs = _load_kwargs(model_args)
     if model_args.attn_implementation:
         kwargs["attn_implementation"] = model_args.attn_implementation
     kwargs["dtype"] = model_args.dtype
-    kwargs.update(getattr(args, "model_init_kwargs", None) or {})
-    return load_model(model_args.model_name_or_path, **kwargs)
+    return load_model_with(model_args.model_name_or_path, "model_init_kwargs", getattr(args, "model_init_kwargs", None),
+                           **kwargs)
 
 
 def load_tokenizer_from(model_args: Any) -> Any:

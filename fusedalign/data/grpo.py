@@ -33,15 +33,17 @@ class GenerationBatchSampler(Sampler[int]):
             num_iterations): one item per micro-step of its window.
         shuffle: draw the prompts in a random order (seeded, the same on every rank).
         seed: the order's seed; `set_epoch` changes it per epoch.
+        batch_flags: the flags that size a generation batch, named when the dataset is too small for one.
 
     Prompts that do not fill a last generation batch are left out of that epoch.
     """
 
     def __init__(self, num_rows: int, num_generations: int, prompts_per_batch: int, repeats: int = 1, *,
-                 shuffle: bool = True, seed: int = 0):
+                 shuffle: bool = True, seed: int = 0,
+                 batch_flags: str = "per_device_train_batch_size or steps_per_generation"):
         if prompts_per_batch < 1 or num_rows < prompts_per_batch:
             raise ValueError(f"a generation batch needs {prompts_per_batch} distinct prompts but the dataset has "
-                             f"{num_rows} rows; lower per_device_train_batch_size or steps_per_generation, or add rows")
+                             f"{num_rows} rows; lower {batch_flags}, or add rows")
         self.num_rows, self.G, self.per_batch, self.repeats = num_rows, num_generations, prompts_per_batch, repeats
         self.shuffle, self.seed, self.epoch = shuffle, seed, 0
 

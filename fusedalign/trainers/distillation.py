@@ -59,6 +59,8 @@ class DistillationTrainer(GRPOTrainer):
             generate, keyed sampling, or a replay of recorded completions).
     """
 
+    generation_batch_flags = "per_device_train_batch_size or gradient_accumulation_steps"  # one prompt a completion
+
     def __init__(
         self,
         model: nn.Module | str,

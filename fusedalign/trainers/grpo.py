@@ -126,6 +126,8 @@ class GRPOTrainer(FusedAlignTrainer):
 
     # ------------------------------------------------------------------ data
 
+    generation_batch_flags = "per_device_train_batch_size or steps_per_generation"  # what sizes a generation batch
+
     def get_train_dataloader(self):
         args = self.args
         if self.train_dataset is None:
@@ -134,6 +136,7 @@ class GRPOTrainer(FusedAlignTrainer):
             len(self.train_dataset), args.num_generations, args.generation_batch_size // args.num_generations,
             args.steps_per_generation * args.num_iterations, seed=args.seed,
             shuffle=args.shuffle_dataset and args.train_sampling_strategy != "sequential",
+            batch_flags=self.generation_batch_flags,
         )
         return self._generation_loader(self.train_dataset, sampler, args.per_device_train_batch_size
                                        * args.steps_per_generation)
@@ -142,7 +145,8 @@ class GRPOTrainer(FusedAlignTrainer):
         args, dataset = self.args, eval_dataset if eval_dataset is not None else self.eval_dataset
         G = args.num_generations_eval or args.num_generations
         batch = args.per_device_eval_batch_size
-        sampler = GenerationBatchSampler(len(dataset), G, batch * args.world_size // G, 1, shuffle=False)
+        sampler = GenerationBatchSampler(len(dataset), G, batch * args.world_size // G, 1, shuffle=False,
+                                         batch_flags="per_device_eval_batch_size")
         return self._generation_loader(dataset, sampler, batch)
 
     def _generation_loader(self, dataset: Dataset, sampler: GenerationBatchSampler, batch_size: int):

@@ -13,7 +13,7 @@ from torch import nn
 
 from fusedalign.backbone import apply_liger_kernels, compile_decoder_layers
 from fusedalign.distributed import check_compile_layers_supported
-from fusedalign.models import load_model, load_tokenizer
+from fusedalign.models import load_model_with, load_tokenizer
 
 
 class Policy(NamedTuple):
@@ -48,7 +48,7 @@ def load_policy(model: nn.Module | str, args: Any, processing_class: Any = None,
     path = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", None)
     if isinstance(model, str):
         # As TRL: `model_init_kwargs` for from_pretrained, float32 weights unless they name a dtype.
-        model = load_model(model, **{"dtype": "float32", **(getattr(args, "model_init_kwargs", None) or {})})
+        model = load_model_with(model, "model_init_kwargs", getattr(args, "model_init_kwargs", None), dtype="float32")
     tokenizer = processing_class if processing_class is not None else load_tokenizer(path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -10,12 +10,11 @@ as is a teacher with fewer rows (the student's extra tokens would have no teache
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from torch import nn
 
-from fusedalign.models import load_model, load_tokenizer
+from fusedalign.models import load_model_with, load_tokenizer
 from fusedalign.trainers.policy import Policy, compile_layers, model_dtype
 
 
@@ -37,24 +36,11 @@ def load_teacher(teacher: nn.Module | str | None, policy: Policy, args: Any) -> 
         if args.teacher_model_revision is not None:
             kwargs["revision"] = args.teacher_model_revision
         dtype = kwargs.pop("dtype", None) or model_dtype(args) or getattr(policy.model, "dtype", None)
-        teacher = _load(name, dtype, kwargs, args.teacher_model_init_kwargs or {})
+        teacher = load_model_with(name, "teacher_model_init_kwargs", kwargs, dtype=dtype)
     path = name or getattr(getattr(teacher, "config", None), "_name_or_path", None)
     check_same_vocabulary(policy.model, policy.tokenizer, teacher, _tokenizer_at(path), args.beta, path)
     compile_layers(teacher, args)
     return teacher
-
-
-def _load(name: str, dtype: Any, kwargs: dict, init_kwargs: dict) -> nn.Module:
-    """`load_model`, with a keyword of `teacher_model_init_kwargs` that neither from_pretrained nor the
-    model takes named in one line (the model's __init__ raises a TypeError about it)."""
-    try:
-        return load_model(name, dtype=dtype, **kwargs)
-    except TypeError as error:
-        bad = re.search(r"unexpected keyword argument '(\w+)'", str(error))
-        if bad is None or bad.group(1) not in init_kwargs:
-            raise
-        raise ValueError(f"teacher_model_init_kwargs: {bad.group(1)!r} is not an argument of the teacher's "
-                         f"from_pretrained or of its model ({error}); remove it.") from None
 
 
 def check_same_vocabulary(student: nn.Module, tokenizer: Any, teacher: nn.Module, teacher_tokenizer: Any,

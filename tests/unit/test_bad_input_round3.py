@@ -157,7 +157,7 @@ def test_teacher_init_kwargs_the_teacher_does_not_take_are_one_line(tmp_path, ca
     out = tmp_path / "r"
     for extra in (["--config", str(config)], ["--teacher_model_init_kwargs", '{"not_a_kwarg": 3}']):
         _refused([*DISTILL, *extra, "--output_dir", str(out)], capsys,
-                 "teacher_model_init_kwargs: 'not_a_kwarg' is not an argument of the teacher's from_pretrained")
+                 "teacher_model_init_kwargs: 'not_a_kwarg' is not an argument of from_pretrained or of the model of")
     assert not out.exists()
 
 
@@ -300,3 +300,27 @@ def test_distillation_log_completions_from_the_command_line(tmp_path, capsys):
     assert len(rows) == 2 and all(set(r) == {"step", "prompt", "completion"} for r in rows)
     printed = capsys.readouterr().out
     assert "advantage" not in printed and "None" not in printed.split("step | prompt")[1].split("\n\n")[0]
+
+
+def test_model_init_kwargs_the_policy_does_not_take_are_one_line(tmp_path, capsys):
+    """On the command line (added to --dtype and the other model flags) and for a model given by name."""
+    out = tmp_path / "r"
+    _refused(["sft", "--model_init_kwargs", '{"not_a_kwarg": 3}', "--output_dir", str(out)], capsys,
+             "model_init_kwargs: 'not_a_kwarg' is not an argument of from_pretrained or of the model of")
+    assert not out.exists()
+    from datasets import Dataset
+
+    from fusedalign.configs import SFTConfig
+    from fusedalign.trainers.sft import SFTTrainer
+
+    with pytest.raises(ValueError, match="model_init_kwargs: 'not_a_kwarg' is not an argument"):
+        SFTTrainer(model="builtin:tiny-qwen2", args=SFTConfig(output_dir=str(out), model_init_kwargs={"not_a_kwarg": 3}),
+                   train_dataset=Dataset.from_list([{"text": "a"}]))
+
+
+@pytest.mark.parametrize("command,flags", [("distillation", "per_device_train_batch_size or gradient_accumulation_steps"),
+                                           ("grpo", "per_device_train_batch_size or steps_per_generation")])
+def test_a_generation_batch_over_the_dataset_names_the_trainers_own_flags(command, flags, tmp_path, capsys):
+    err = _refused([command, "--per_device_train_batch_size", "1024", "--max_steps", "1", "--output_dir",
+                    str(tmp_path / "r")], capsys, f"lower {flags}, or add rows")
+    assert command != "distillation" or "steps_per_generation" not in err
