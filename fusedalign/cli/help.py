@@ -114,11 +114,21 @@ def render_help(command: str, full: bool) -> str:
     parser.description = (
         f"{(config.__doc__ or '').strip().splitlines()[0]} Flags follow TRL's names; `--config run.yaml` sets "
         "defaults under the flags. Boolean flags take true/false (alone: true; --no_NAME: false). With no "
-        "--model_name_or_path, the demo's values (see `fusedalign --help`) fill in what is not given."
+        "--model_name_or_path, the embedded demo fills in what is not given: " + _demo_values(command) + "."
     )
     if not full:
         parser.epilog = f"... and {hidden} more TrainingArguments flags: fusedalign {command} --help-all"
     return parser.format_help()
+
+
+def _demo_values(command: str) -> str:
+    """The demo's settings as flags (`--learning_rate 0.003 ...`), for the command's help."""
+    from fusedalign.cli.demo import DEMO_DEFAULTS
+
+    def shown(value: object) -> str:
+        return " ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+
+    return " ".join(f"--{name} {shown(value)}" for name, value in DEMO_DEFAULTS.get(command, {}).items())
 
 
 def cache_dir() -> Path:

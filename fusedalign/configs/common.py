@@ -27,7 +27,9 @@ class ScriptArguments:
         metadata={"help": "`builtin:zen`, a local file/directory (json, jsonl, parquet) or a hub dataset name."},
     )
     dataset_config: str | None = field(
-        default=None, metadata={"help": "Dataset configuration, e.g. `standard_preference` for builtin:zen."}
+        default=None, metadata={"help": "Dataset configuration; for builtin:zen the format: standard_language_modeling "
+                                        "(sft), standard_preference (dpo), standard_unpaired_preference (kto), "
+                                        "standard_prompt_only (grpo, rloo, distillation), or conversational_*."}
     )
     dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
     dataset_test_split: str = field(default="test", metadata={"help": "Split to evaluate on, when evaluating."})

@@ -76,6 +76,9 @@ class DistillationConfig(GRPOConfig):
                   "update as padded batches. Must hold one prompt of max_prompt_length and a completion of "
                   "max_completion_length."})
     share_prompt: bool = _hidden(False)  # refused: one completion per prompt
+    log_completions: bool = field(
+        default=False, metadata={"help": "At each logging step, print a table of the prompts and completions "
+                                 "generated since the last one and append them to OUTPUT_DIR/completions.jsonl."})
     # GRPO's options, hidden and refused (the values distillation runs with).
     num_generations: int = _hidden(1)
     num_generations_eval: int | None = _hidden(None)

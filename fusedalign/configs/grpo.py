@@ -32,7 +32,7 @@ class GRPOConfig(FusedAlignConfig):
         default=False, metadata={"help": "Accepted as in TRL; either value trains the same: the prompt and every "
                                          "other column reach the reward functions."})
     disable_dropout: bool = field(default=False, metadata={"help": "Set dropout to 0 in the policy and reference."})
-    max_length: int | None = field(default=None, metadata={"help": "Unused by GRPO: lengths are bounded by "
+    max_length: int | None = field(default=None, metadata={"help": "Unused here: lengths are bounded by "
                                                                    "max_prompt_length and max_completion_length."})
     # ---------------------------------------------------------------- data and rewards
     max_prompt_length: int | None = field(default=None, metadata={"help": "Keep the last N prompt tokens; None: all."})

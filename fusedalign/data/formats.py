@@ -158,7 +158,7 @@ def detect_format(data: Any, expected: Iterable[str] | str | None = None) -> Dat
     lm = "messages" if "messages" in present else "text"
     required = {k: set(KIND_COLUMNS[k]) if k != "language_modeling" else {lm} for k in kinds}
 
-    who = f"{trainer.upper()} expects" if trainer else "expected"
+    who = f"{trainer.upper() if len(trainer) <= 4 else trainer} expects" if trainer else "expected"
     wanted = " or ".join(_describe(k) for k in kinds)
     found = f"dataset columns: {sorted(columns)}"
     kind = next((k for k in kinds if required[k] == present), None)

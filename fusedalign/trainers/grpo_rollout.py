@@ -112,7 +112,7 @@ class GRPORollout:
     def load_state_dict(self, state: dict[str, Any], same_ranks: bool = True) -> None:
         if state.get("window") is not None and not same_ranks:
             raise CheckpointError(
-                "this checkpoint was written in the middle of a GRPO generation window by another number of "
+                "this checkpoint was written in the middle of a generation window by another number of "
                 "processes, whose completions were split over those ranks; resume it with the same number of "
                 "processes, or from a checkpoint at the end of a window (save_steps a multiple of "
                 "steps_per_generation x num_iterations / gradient_accumulation_steps)")
