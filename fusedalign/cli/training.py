@@ -153,7 +153,9 @@ def _train_and_save(trainer: Any, args: Any, resume: str | None, guard: Interrup
             print(f"[fusedalign] training curves: {plot_run(args.output_dir)}", file=sys.stderr)
         except (ValueError, FileNotFoundError) as err:
             print(f"[fusedalign] no plot drawn: {err}", file=sys.stderr)
-        print(f"[fusedalign] model, tokenizer and metrics.jsonl saved in {args.output_dir}", file=sys.stderr)
+        saved = ("the LoRA adapter (fusedalign merge folds it into its base)" if hasattr(trainer.model, "peft_config")
+                 else "model")
+        print(f"[fusedalign] {saved}, tokenizer and metrics.jsonl saved in {args.output_dir}", file=sys.stderr)
 
 
 def run_training(command: str, argv: list[str]) -> int:

@@ -23,6 +23,12 @@ def test_an_adapter_on_a_relative_local_base_merges_from_another_directory(tmp_p
     assert (elsewhere / "merged" / "model.safetensors").is_file()
 
 
+def test_a_lora_run_says_it_saved_an_adapter(tmp_path, capsys):
+    assert main(["sft", "--use_peft", "--max_steps", "1", "--eval_strategy", "no", "--output_dir", str(tmp_path)]) == 0
+    assert "the LoRA adapter (fusedalign merge folds it into its base), tokenizer and metrics.jsonl saved in" in \
+        capsys.readouterr().err
+
+
 def test_what_merge_cannot_find_is_one_line(tmp_path, capsys):
     assert main(["merge", str(tmp_path / "nope"), str(tmp_path / "out")]) == 2
     assert "ADAPTER_DIR " + str(tmp_path / "nope") + " does not exist" in capsys.readouterr().err
