@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fusedalign.configs.common import FusedAlignConfig, _init_kwargs, check_choice
-from fusedalign.configs.packed import MAX_TOKENS_HELP, PADDING_FREE_HELP, check_packed_batching
+from fusedalign.configs.packed import GROUPS_BUDGET_HELP, PADDING_FREE_HELP, check_packed_batching
 from fusedalign.distributed import check_compile_generation_supported
 from fusedalign.generation.decode_attention import KERNELS
 from fusedalign.losses.grpo_advantages import AGGREGATIONS, SCALE_REWARDS
@@ -70,14 +70,9 @@ class GRPOConfig(FusedAlignConfig):
                   "(flex_attention, sdpa, eager)."})
     max_tokens_per_batch: int | None = field(
         default=None,
-        metadata={"help": "With padding_free: the completions of each optimizer step (the same ones as padded "
-                  "batches) are regrouped by prompt and packed into rows of at most this many tokens (a group "
-                  "split when it alone is over), one row a micro-batch where the step's "
-                  "gradient_accumulation_steps forwards hold them, else each micro-batch trained as several "
-                  "rows, one forward and backward each, so memory stays that of one row. Same update as padded "
-                  "batches (bnpo, defined per micro-batch, keeps each micro-batch's completions; "
-                  "top_entropy_quantile keeps each micro-batch in one row). Must hold the longest prompt and a "
-                  "completion of max_completion_length."})
+        metadata={"help": GROUPS_BUDGET_HELP.format(
+            note=" (bnpo, defined per micro-batch, keeps each micro-batch's completions; top_entropy_quantile "
+                 "keeps each micro-batch in one row)")})
     temperature: float = field(default=1.0)
     top_p: float = field(default=1.0)
     top_k: int = field(default=0, metadata={"help": "0: no top-k filtering."})

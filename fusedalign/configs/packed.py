@@ -27,6 +27,15 @@ MAX_TOKENS_HELP = (
     "over the optimizer step's {units}. A {unit} longer than the budget is refused when the trainer is made."
 )
 
+# GRPO's and RLOO's budget: the completions of a step regrouped by prompt (GRPO adds what its loss types keep).
+GROUPS_BUDGET_HELP = (
+    "With padding_free: the completions of each optimizer step (the same ones as padded batches) are regrouped "
+    "by prompt and packed into rows of at most this many tokens (a group split when it alone is over), one row "
+    "a micro-batch where the step's gradient_accumulation_steps forwards hold them, else each micro-batch "
+    "trained as several rows, one forward and backward each, so memory stays that of one row. Same update as "
+    "padded batches{note}. Must hold the longest prompt and a completion of max_completion_length."
+)
+
 
 def check_packed_batching(args: Any, unit: str) -> None:
     """Refuses combinations of the packed-batch flags that cannot run (one line each).

@@ -15,6 +15,7 @@ import argparse
 from dataclasses import dataclass, field, fields
 
 from fusedalign.configs.grpo import GRPOConfig
+from fusedalign.configs.packed import GROUPS_BUDGET_HELP
 
 # GRPO's options with no meaning in RLOO (TRL's RLOOConfig has none of them): refused when set.
 GRPO_ONLY = ("loss_type", "scale_rewards", "multi_objective_aggregation", "delta", "importance_sampling_level",
@@ -45,12 +46,7 @@ class RLOOConfig(GRPOConfig):
         default=None, metadata={"help": "Clamp the weighted reward to [min, max] (two numbers) before the KL."})
     max_tokens_per_batch: int | None = field(
         default=None,
-        metadata={"help": "With padding_free: the completions of each optimizer step (the same ones as padded "
-                  "batches) are regrouped by prompt and packed into rows of at most this many tokens (a group "
-                  "split when it alone is over), one row a micro-batch where the step's "
-                  "gradient_accumulation_steps forwards hold them, else each micro-batch trained as several "
-                  "rows, one forward and backward each, so memory stays that of one row. Same update as padded "
-                  "batches. Must hold the longest prompt and a completion of max_completion_length."})
+        metadata={"help": GROUPS_BUDGET_HELP.format(note="")})
     # GRPO's loss options, hidden and refused (their GRPO defaults, which RLOO never reads).
     loss_type: str = _hidden("dapo")
     scale_rewards: str = _hidden("group")
