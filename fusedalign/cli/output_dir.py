@@ -42,7 +42,7 @@ _RNG_STATE = re.compile(r"^rng_state(_\d+)?\.pth$")  # the Trainer's, one a rank
 # Flags that shape a generating trainer's batch: the saved generation window and the epoch count follow them.
 GENERATION_SHAPE = ("per_device_train_batch_size", "gradient_accumulation_steps", "num_generations",
                     "steps_per_generation", "num_iterations")
-_EARLIER_LOG = re.compile(r"^metrics\.previous-\d+\.jsonl$")  # an earlier run's log, which no run writes again
+_EARLIER_LOG = re.compile(r"^(metrics|completions)\.previous-\d+\.jsonl$")  # an earlier run's log, which no run writes again
 
 
 def checkpoints(output_dir: str) -> list[str]:

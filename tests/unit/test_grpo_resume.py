@@ -234,3 +234,24 @@ def test_the_trainer_refuses_a_batch_without_the_old_policy_log_probs(tmp_path):
     batch = trainer.rollout.window.batches[0].replace(old_logps=None)
     with pytest.raises(MissingPartError, match="no old_logps"):
         trainer.loss_and_metrics(trainer.model, batch, "train")
+
+
+def _rows(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_a_python_api_resume_keeps_the_completions_log_as_the_uninterrupted_run(tmp_path):
+    """From Python, not the command line: resuming checkpoint-2 of a finished 4-step run in its own
+    directory cuts completions.jsonl back to step 2 before training on, so it ends as the
+    uninterrupted run's (the rows of step 3 appear once); a new run there moves the old log aside."""
+    logged = dict(log_completions=True, num_completions_to_print=0)
+    _train(tmp_path / "straight", **logged)
+    want = _rows(tmp_path / "straight" / "completions.jsonl")
+    assert sorted({r["step"] for r in want}) == [1, 3] and len(want) == 8  # 4 completions a window
+    out = tmp_path / "run"
+    _train(out, **logged)
+    _train(out, resume=str(out / "checkpoint-2"), **logged)
+    assert _rows(out / "completions.jsonl") == want
+    _train(out, max_steps=2, **logged)  # a new run in the same directory
+    assert _rows(out / "completions.previous-1.jsonl") == want
+    assert _rows(out / "completions.jsonl") == [r for r in want if r["step"] == 1]
