@@ -106,10 +106,6 @@ ABSENT: dict[str, Absent] = {
     "ld_alpha": Absent(("none", "null", "1.0", "1"), "LD-DPO's down-weighting of the tokens past the shorter "
                        "completion " + _NOT_BUILT + " (None, TRL's default, and 1.0 weight every token)"),
     "use_weighting": Absent(("false",), "WPO's weighting of the pairs " + _NOT_BUILT),
-    "f_divergence_type": Absent(("reverse_kl",), "the DPO losses use the reverse KL (TRL's default, reverse_kl); "
-                                "the other f-divergences " + _NOT_BUILT_ALL),
-    "f_alpha_divergence_coef": Absent(("0.5",), "used only with --f_divergence_type alpha_divergence, which "
-                                      + _NOT_BUILT),
     "precompute_ref_batch_size": Absent(("none", "null"), "--precompute_ref_log_probs runs the reference over "
                                         "batches of --per_device_eval_batch_size rows; set that instead"),
 }
@@ -126,8 +122,7 @@ _SCRIPT = ("dataset_streaming", "ignore_bias_buffers", "datasets", "streaming", 
 _EVERY = _SCRIPT + ("pad_to_multiple_of", "router_aux_loss_coef")
 _SFT = ("dataset_text_field", "loss_type", "packing_strategy", "shuffle_dataset", "eos_token", "pad_token",
         "chat_template_path", "dataset_kwargs", "activation_offloading")
-_DPO = ("ld_alpha", "use_weighting", "f_divergence_type", "f_alpha_divergence_coef", "precompute_ref_batch_size",
-        "activation_offloading", "pad_token")
+_DPO = ("ld_alpha", "use_weighting", "precompute_ref_batch_size", "activation_offloading", "pad_token")
 _GRPO = _EVERY + _REFERENCE_SYNC + _GENERATION_FIELDS + (
     "cast_lm_head_to_fp32", "use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta",
     "entropy_target", "off_policy_mask_threshold", "max_tool_calling_iterations", "log_multimodal",

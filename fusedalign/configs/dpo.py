@@ -48,6 +48,17 @@ class DPOConfig(FusedAlignConfig):
                   "it as TRL does."},
     )
     discopop_tau: float = field(default=0.05)
+    f_divergence_type: str = field(
+        default="reverse_kl",
+        metadata={"help": "The divergence to the reference (f-DPO): reverse_kl (DPO's), forward_kl, js_divergence "
+                  "or alpha_divergence, each scoring the log-ratios by its f' in the reward difference. Another "
+                  "than reverse_kl only with loss types built on that difference: sigmoid, sigmoid_norm, hinge, "
+                  "ipo, exo_pair, robust, discopop, sft. The rewards logged stay beta * log-ratio, as TRL's."},
+    )
+    f_alpha_divergence_coef: float = field(
+        default=0.5,
+        metadata={"help": "alpha of f_divergence_type alpha_divergence (1.0: its limit, the reverse KL)."},
+    )
     bco_running_mean: bool = field(
         default=False,
         metadata={"help": "bco_pair only: shift the rewards by the running mean of every reward seen, this batch "
@@ -100,11 +111,14 @@ class DPOConfig(FusedAlignConfig):
             self.loss_type = [self.loss_type]
         # Every DPO option is validated here, once, before any model loads.
         self.loss_plan = check_dpo_args(
-            self.loss_type, beta=self.beta, label_smoothing=self.label_smoothing, loss_weights=self.loss_weights
+            self.loss_type, beta=self.beta, label_smoothing=self.label_smoothing, loss_weights=self.loss_weights,
+            f_divergence_type=self.f_divergence_type,
         )
         check_choice("truncation_mode", self.truncation_mode, TRUNCATION_MODES)
 
     def loss_options(self, bco_delta: float = 0.0, sft_tokens_per_pair: Any = None) -> DPOOptions:
         """The options the loss functions read (`bco_delta`: bco_pair's current reward shift;
         `sft_tokens_per_pair`: the step's chosen tokens per pair, the divisor of the sft term)."""
-        return DPOOptions(self.beta, self.label_smoothing, bco_delta, self.discopop_tau, sft_tokens_per_pair)
+        return DPOOptions(self.beta, self.label_smoothing, bco_delta, self.discopop_tau, sft_tokens_per_pair,
+                          self.f_divergence_type, self.f_alpha_divergence_coef)
+

@@ -14,6 +14,7 @@ from typing import NamedTuple
 from torch import Tensor
 
 from . import dpo_anchored, dpo_margin
+from .dpo_fdiv import check_f_divergence
 from .dpo_types import DPOOptions, PairLogps
 
 DPOVariant = Callable[[PairLogps, DPOOptions], Tensor]
@@ -62,6 +63,7 @@ def check_dpo_args(
     beta: float,
     label_smoothing: float = 0.0,
     loss_weights: Sequence[float] | None = None,
+    f_divergence_type: str = "reverse_kl",
 ) -> list[tuple[str, float]]:
     """Validates the DPO options (call it from config checks, before training starts).
 
@@ -95,6 +97,7 @@ def check_dpo_args(
         raise ValueError(
             "loss_type='exo_pair' needs label_smoothing > 0 (the EXO paper uses 1e-3)."
         )
+    check_f_divergence(types, f_divergence_type)
     return list(zip(types, weights))
 
 
@@ -113,6 +116,8 @@ def dpo_losses(
     bco_delta: Tensor | float = 0.0,
     discopop_tau: float = 0.05,
     sft_tokens_per_pair: Tensor | float | None = None,
+    f_divergence_type: str = "reverse_kl",
+    f_alpha_divergence_coef: float = 0.5,
 ) -> DPOLossOutput:
     """Per-pair DPO losses, summed over one or more loss types with weights.
 
@@ -131,18 +136,20 @@ def dpo_losses(
         discopop_tau: DiscoPOP's gate temperature.
         sft_tokens_per_pair: the `sft` term's divisor over a whole optimizer step (see
             `DPOOptions`); None: the batch's mean chosen length (TRL's token mean over the batch).
+        f_divergence_type, f_alpha_divergence_coef: the divergence to the reference (`dpo_fdiv`).
 
     Returns:
         DPOLossOutput with losses [B] = sum_k weight_k * loss_k and detached rewards [B].
     """
-    plan = check_dpo_args(
-        loss_type, beta=beta, label_smoothing=label_smoothing, loss_weights=loss_weights
-    )
+    plan = check_dpo_args(loss_type, beta=beta, label_smoothing=label_smoothing, loss_weights=loss_weights,
+                          f_divergence_type=f_divergence_type)
     pairs = PairLogps(
         chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
         chosen_lengths, rejected_lengths,
     )
-    return pair_losses(pairs, plan, DPOOptions(beta, label_smoothing, bco_delta, discopop_tau, sft_tokens_per_pair))
+    opts = DPOOptions(beta, label_smoothing, bco_delta, discopop_tau, sft_tokens_per_pair, f_divergence_type,
+                      f_alpha_divergence_coef)
+    return pair_losses(pairs, plan, opts)
 
 
 def pair_losses(pairs: PairLogps, plan: Sequence[tuple[str, float]], opts: DPOOptions) -> DPOLossOutput:

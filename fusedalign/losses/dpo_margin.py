@@ -1,6 +1,10 @@
 """DPO variants that are functions of the reward margin h = chosen_logratios - rejected_logratios.
 
 Every function maps `(PairLogps, DPOOptions)` to per-pair losses [B]; `dpo.DPO_LOSSES` lists them.
+Those TRL 1.16 generalises to another f-divergence (`dpo_fdiv`) read the scores f'(pi/pi_ref)
+where the formulas below say log-ratio: h = score_w - score_l (`score_margin`), ipo's and
+sigmoid_norm's per-token log-ratios score_w / |y_w| and score_l / |y_l|. The aot variants are
+refused with another divergence and keep the log-ratios.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .dpo_fdiv import pair_scores, score_margin
 from .dpo_types import DPOOptions, PairLogps, lengths_of
 
 
@@ -27,7 +32,7 @@ def sigmoid(p: PairLogps, o: DPOOptions) -> Tensor:
     Formula:
         loss = -(1 - eps) * log sigma(beta * h) - eps * log sigma(-beta * h)
     """
-    return _smoothed_logistic(o.beta * p.margin, o.label_smoothing)
+    return _smoothed_logistic(o.beta * score_margin(p, o), o.label_smoothing)
 
 
 def robust(p: PairLogps, o: DPOOptions) -> Tensor:
@@ -38,7 +43,7 @@ def robust(p: PairLogps, o: DPOOptions) -> Tensor:
     Formula:
         loss = (-(1 - eps) * log sigma(beta * h) + eps * log sigma(-beta * h)) / (1 - 2 * eps)
     """
-    eps, z = o.label_smoothing, o.beta * p.margin
+    eps, z = o.label_smoothing, o.beta * score_margin(p, o)
     return (-(1 - eps) * F.logsigmoid(z) + eps * F.logsigmoid(-z)) / (1 - 2 * eps)
 
 
@@ -50,7 +55,7 @@ def hinge(p: PairLogps, o: DPOOptions) -> Tensor:
     Formula:
         loss = max(0, 1 - beta * h)
     """
-    return torch.relu(1 - o.beta * p.margin)
+    return torch.relu(1 - o.beta * score_margin(p, o))
 
 
 def ipo(p: PairLogps, o: DPOOptions) -> Tensor:
@@ -64,7 +69,8 @@ def ipo(p: PairLogps, o: DPOOptions) -> Tensor:
     """
     len_w = lengths_of(p.chosen_lengths, p.chosen, "chosen_lengths", "ipo")
     len_l = lengths_of(p.rejected_lengths, p.rejected, "rejected_lengths", "ipo")
-    h_avg = p.chosen_logratios / len_w - p.rejected_logratios / len_l
+    chosen, rejected = pair_scores(p, o)
+    h_avg = chosen / len_w - rejected / len_l
     return (h_avg - 1 / (2 * o.beta)) ** 2
 
 
@@ -79,7 +85,8 @@ def sigmoid_norm(p: PairLogps, o: DPOOptions) -> Tensor:
     """
     len_w = lengths_of(p.chosen_lengths, p.chosen, "chosen_lengths", "sigmoid_norm")
     len_l = lengths_of(p.rejected_lengths, p.rejected, "rejected_lengths", "sigmoid_norm")
-    return -F.logsigmoid(o.beta * (p.chosen_logratios / len_w - p.rejected_logratios / len_l))
+    chosen, rejected = pair_scores(p, o)
+    return -F.logsigmoid(o.beta * (chosen / len_w - rejected / len_l))
 
 
 def exo_pair(p: PairLogps, o: DPOOptions) -> Tensor:
@@ -91,7 +98,7 @@ def exo_pair(p: PairLogps, o: DPOOptions) -> Tensor:
         q_w = sigma(beta * h), q_l = sigma(-beta * h)
         loss = q_w * (log q_w - log(1 - eps)) + q_l * (log q_l - log eps),   eps > 0
     """
-    eps, z = o.label_smoothing, o.beta * p.margin
+    eps, z = o.label_smoothing, o.beta * score_margin(p, o)
     return torch.sigmoid(z) * (F.logsigmoid(z) - math.log1p(-eps)) + torch.sigmoid(-z) * (
         F.logsigmoid(-z) - math.log(eps)
     )
@@ -106,7 +113,7 @@ def discopop(p: PairLogps, o: DPOOptions) -> Tensor:
         z = beta * h,  g = sigma(z / tau)
         loss = (1 - g) * -log sigma(z) + g * exp(-z)
     """
-    z = o.beta * p.margin
+    z = o.beta * score_margin(p, o)
     gate = torch.sigmoid(z / o.discopop_tau)
     return (1 - gate) * -F.logsigmoid(z) + gate * torch.exp(-z)
 

@@ -60,6 +60,9 @@ class DPOOptions:
             sum(sft losses) / pairs = -sum(chosen log-probs) / chosen tokens of the step. None:
             the mean of `chosen_lengths` over the batch, which is TRL's token mean over the
             batch's chosen tokens.
+        f_divergence_type: The divergence to the reference (`dpo_fdiv.F_DIVERGENCES`): the function
+            that scores each log-ratio in the reward difference; reverse_kl scores it as itself.
+        f_alpha_divergence_coef: alpha of `alpha_divergence`.
     """
 
     beta: float = 0.1
@@ -67,6 +70,8 @@ class DPOOptions:
     bco_delta: Tensor | float = 0.0
     discopop_tau: float = 0.05
     sft_tokens_per_pair: Tensor | float | None = None
+    f_divergence_type: str = "reverse_kl"
+    f_alpha_divergence_coef: float = 0.5
 
 
 def lengths_of(lengths: Tensor | float | None, like: Tensor, name: str, loss_type: str) -> Tensor:
