@@ -48,6 +48,13 @@ class DPOConfig(FusedAlignConfig):
                   "it as TRL does."},
     )
     discopop_tau: float = field(default=0.05)
+    ld_alpha: float | None = field(
+        default=None,
+        metadata={"help": "LD-DPO (length desensitization): in each pair, the tokens of the longer completion past "
+                  "the shorter one's length weigh ld_alpha in its log-prob, for the policy and the reference, in "
+                  "every loss type but sft's token mean. In [0, 1]; 0 drops them; None or 1.0: every token weighs "
+                  "1 (the same computation), TRL 1.16's default."},
+    )
     f_divergence_type: str = field(
         default="reverse_kl",
         metadata={"help": "The divergence to the reference (f-DPO): reverse_kl (DPO's), forward_kl, js_divergence "
@@ -114,6 +121,9 @@ class DPOConfig(FusedAlignConfig):
             self.loss_type, beta=self.beta, label_smoothing=self.label_smoothing, loss_weights=self.loss_weights,
             f_divergence_type=self.f_divergence_type,
         )
+        if self.ld_alpha is not None and not 0.0 <= self.ld_alpha <= 1.0:
+            raise ValueError(f"ld_alpha must lie in [0, 1] (the weight of the tokens past the shorter completion) "
+                             f"or be None; got {self.ld_alpha}.")
         check_choice("truncation_mode", self.truncation_mode, TRUNCATION_MODES)
 
     def loss_options(self, bco_delta: float = 0.0, sft_tokens_per_pair: Any = None) -> DPOOptions:
@@ -122,3 +132,7 @@ class DPOConfig(FusedAlignConfig):
         return DPOOptions(self.beta, self.label_smoothing, bco_delta, self.discopop_tau, sft_tokens_per_pair,
                           self.f_divergence_type, self.f_alpha_divergence_coef)
 
+    @property
+    def ld_weight(self) -> float | None:
+        """LD-DPO's weight of the tokens past a pair's shared length; None: no weighting (ld_alpha None or 1.0)."""
+        return None if self.ld_alpha is None or self.ld_alpha == 1.0 else float(self.ld_alpha)

@@ -10,6 +10,7 @@ logging windows. Options are validated once, by the configs (`check_*_args`).
 from .dpo import DPO_LOSSES, DPOLossOutput, check_dpo_args, dpo_losses, pair_losses, pairwise_dpo_losses
 from .dpo_batch import dpo_batch_loss, pair_loss_gradient, valid_pairs
 from .dpo_fdiv import F_DIVERGENCE_LOSS_TYPES, F_DIVERGENCES
+from .dpo_length import WeightedSums, ld_weighted
 from .dpo_metrics import DPOMetrics, RewardMean, RunningRewardMean, bco_reward_mean, dpo_metrics
 from .dpo_types import DPOOptions, PairLogps
 from .distillation import DistillationMetrics, distillation_batch_loss, distillation_loss
@@ -33,9 +34,9 @@ from .sft import SFTMetrics, sft_batch_loss, sft_loss, sft_metrics
 
 __all__ = [
     "DPO_LOSSES", "DPOLossOutput", "DPOMetrics", "DPOOptions", "KLSums", "KTO_LOSSES", "KTOLossOutput",
-    "KTOMetrics", "KTOOptions", "PairLogps", "F_DIVERGENCES", "F_DIVERGENCE_LOSS_TYPES", "RewardMean", "RunningRewardMean", "SFTMetrics", "bco_reward_mean",
+    "KTOMetrics", "KTOOptions", "PairLogps", "WeightedSums", "F_DIVERGENCES", "F_DIVERGENCE_LOSS_TYPES", "RewardMean", "RunningRewardMean", "SFTMetrics", "bco_reward_mean",
     "check_dpo_args", "check_kto_args", "dpo_batch_loss", "dpo_losses", "dpo_metrics", "kl_estimate",
-    "kl_from_sums", "kl_sums", "kto_batch_loss", "kto_losses", "kto_metrics", "pair_loss_gradient", "pair_losses",
+    "kl_from_sums", "kl_sums", "kto_batch_loss", "kto_losses", "kto_metrics", "ld_weighted", "pair_loss_gradient", "pair_losses",
     "pairwise_dpo_losses", "sft_batch_loss", "sft_loss", "sft_metrics", "valid_pairs",
     # distillation
     "DistillationMetrics", "distillation_batch_loss", "distillation_loss",

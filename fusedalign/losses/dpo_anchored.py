@@ -84,7 +84,8 @@ def sft(p: PairLogps, o: DPOOptions) -> Tensor:
     TRL's definition: one mean over all chosen completion tokens, not a mean of per-sequence
     means. Each pair's share is -log pi(y_w|x) / n, n the chosen tokens per pair (of the batch,
     or of the optimizer step: `DPOOptions.sft_tokens_per_pair`), so that the mean over the pairs
-    is -sum log pi(y_w|x) / sum |y_w|.
+    is -sum log pi(y_w|x) / sum |y_w|. Every token counts once under LD-DPO too (as TRL's token
+    mean): the plain sum `chosen_tokens_sum` when `chosen` is the weighted one.
 
     Paper: https://huggingface.co/papers/2411.10442 (MPO)
 
@@ -96,4 +97,5 @@ def sft(p: PairLogps, o: DPOOptions) -> Tensor:
     else:
         lengths = lengths_of(p.chosen_lengths, p.chosen, "chosen_lengths", "sft")
         per_pair = lengths.mean() if lengths.dim() else lengths
-    return -p.chosen / torch.as_tensor(per_pair, dtype=p.chosen.dtype, device=p.chosen.device).clamp(min=1.0)
+    chosen = p.chosen if p.chosen_tokens_sum is None else p.chosen_tokens_sum
+    return -chosen / torch.as_tensor(per_pair, dtype=p.chosen.dtype, device=p.chosen.device).clamp(min=1.0)

@@ -23,6 +23,8 @@ class PairLogps(NamedTuple):
         ref_rejected: [B] reference log p(y_l | x) (zeros when reference-free).
         chosen_lengths: [B] or scalar, completion tokens of y_w, or None.
         rejected_lengths: [B] or scalar, completion tokens of y_l, or None.
+        chosen_tokens_sum: [B] the plain sum of y_w's token log-probs where `chosen` is LD-DPO's
+            weighted sum (`dpo_length`), for the `sft` term, a token mean as TRL's; None: `chosen`.
     """
 
     chosen: Tensor
@@ -31,6 +33,7 @@ class PairLogps(NamedTuple):
     ref_rejected: Tensor
     chosen_lengths: Tensor | None = None
     rejected_lengths: Tensor | None = None
+    chosen_tokens_sum: Tensor | None = None
 
     @property
     def chosen_logratios(self) -> Tensor:  # [B] log pi(y_w|x) / pi_ref(y_w|x)

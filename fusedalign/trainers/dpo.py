@@ -5,7 +5,10 @@ chosen, `[B:]` rejected; `padding_free`: one row holding every sequence, `share_
 each prompt once; one layout either way, `data/packed_rows.py`); the reference, in whichever mode,
 likewise, in the same layout, once per micro-batch in the step's preparation, before any
 policy forward: with the reference known, the policy's head can form its gradient in its
-own forward (the loss-aware head). Either way the trainer sees per-sequence sums `[2B]`.
+own forward (the loss-aware head). Either way the trainer sees per-sequence sums `[2B]`, or
+under LD-DPO (`ld_alpha`) each sequence's sums within and past its pair's shared length `[4B]`
+(`data/shared_length.py`), which the loss weighs: plain sums, so the loss-aware head still
+declares its loss, and the reference's are weighted by the same cut.
 """
 
 from __future__ import annotations
@@ -20,11 +23,13 @@ from fusedalign.configs import DPOConfig
 from fusedalign.data import DPOCollator
 from fusedalign.data.packed_rows import PackedRows
 from fusedalign.data.preference_batches import PackedDPOCollator, dpo_row_tokens
+from fusedalign.data.shared_length import SharedLengthSplit
 from fusedalign.data.splits import prepare_split
 from fusedalign.losses import (
     RunningRewardMean,
     bco_reward_mean,
     dpo_batch_loss,
+    ld_weighted,
     pair_loss_gradient,
     pairwise_dpo_losses,
     valid_pairs,
@@ -98,10 +103,13 @@ class DPOTrainer(PreferenceTrainer):
         return valid_pairs(inputs.rows.lengths()).sum()
 
     def prepare_step(self, model: nn.Module, batches: list[dict[str, Any]], mode: str) -> list[DPOStepBatch]:
-        """Each micro-batch as its rows with `ref_logps` [2B], the reference's sequence log-probs, and
-        for the sft term the step's chosen tokens per pair (all micro-batches and ranks)."""
+        """Each micro-batch as its rows with `ref_logps` [2B], the reference's sequence log-probs, for
+        the sft term the step's chosen tokens per pair (all micro-batches and ranks), and under LD-DPO
+        the rows' cut at each pair's shared length."""
         rows = [self.rows_of(batch, per_group=2) for batch in batches]
-        refs = [self._reference_chosen_rejected_logps(model, b, r).detach() for b, r in zip(batches, rows)]
+        splits = [self._ld_split(r) for r in rows]
+        refs = [self._reference_chosen_rejected_logps(model, b, r, s).detach()
+                for b, r, s in zip(batches, rows, splits)]
         per_pair = None
         if "sft" in self.args.loss_type:
             totals = torch.zeros(2, dtype=torch.float64, device=self.accelerator.device)
@@ -111,16 +119,23 @@ class DPOTrainer(PreferenceTrainer):
                 totals += torch.stack([(lengths[:half] * valid).sum(), valid.sum()]).to(totals)
             totals = self.accelerator.reduce(totals, reduction="sum")
             per_pair = totals[0] / totals[1].clamp(min=1)
-        return [DPOStepBatch(r, ref, per_pair) for r, ref in zip(rows, refs)]
+        return [DPOStepBatch(r, ref, per_pair, s) for r, ref, s in zip(rows, refs, splits)]
 
-    def _chosen_rejected_logps(self, model: nn.Module, rows: PackedRows) -> torch.Tensor:
-        """Summed completion log-probs of `model`, `[2B]`: the B chosen, then the B rejected."""
+    def _ld_split(self, rows: PackedRows) -> SharedLengthSplit | None:
+        return None if self.args.ld_weight is None else SharedLengthSplit.of(rows)
+
+    def _chosen_rejected_logps(self, model: nn.Module, rows: PackedRows,
+                               split: SharedLengthSplit | None) -> torch.Tensor:
+        """Summed completion log-probs of `model`, `[2B]`: the B chosen, then the B rejected (LD-weighted
+        with a `split`)."""
         out = self.token_logprobs(model, rows.model_inputs(model), rows.labels)
         # Summed in fp64 and rounded once, as the policy's are: equal models give equal sums.
-        return rows.sums(out.logps)  # [2B]
+        if split is None:
+            return rows.sums(out.logps)  # [2B]
+        return ld_weighted(split.sums(out.logps), self.args.ld_weight).weighted  # [2B]
 
     def _reference_chosen_rejected_logps(self, model: nn.Module, batch: dict[str, torch.Tensor],
-                                         rows: PackedRows) -> torch.Tensor:
+                                         rows: PackedRows, split: SharedLengthSplit | None) -> torch.Tensor:
         """The reference's `_chosen_rejected_logps` of a batch's rows, `[2B]` (zeros when reference-free;
         looked up by the batch's row keys when precomputed)."""
         if self.args.reference_free:
@@ -130,12 +145,12 @@ class DPOTrainer(PreferenceTrainer):
                 precompute_reference(self, self.reference_store, lambda b: self._reference_pairs(model, b))
             values = self.reference_store.lookup(batch[ROW_KEY])  # [B, 2]
             return torch.cat([values[:, 0], values[:, 1]])
-        return self.reference.run(model, lambda m: self._chosen_rejected_logps(m, rows))
+        return self.reference.run(model, lambda m: self._chosen_rejected_logps(m, rows, split))
 
     def _reference_pairs(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Reference log-probs of a batch, `[B, 2]`: chosen, rejected (the rows of the precomputed store)."""
         rows = self.rows_of(batch, per_group=2)
-        logps = self.reference.run(model, lambda m: self._chosen_rejected_logps(m, rows))
+        logps = self.reference.run(model, lambda m: self._chosen_rejected_logps(m, rows, self._ld_split(rows)))
         return torch.stack(logps.chunk(2), dim=-1)
 
     # ------------------------------------------------------------------ loss
@@ -143,25 +158,27 @@ class DPOTrainer(PreferenceTrainer):
     def loss_and_metrics(self, model: nn.Module, inputs: DPOStepBatch, mode: str) -> tuple[torch.Tensor, DPOMetrics]:
         args = self.args
         check_step_batch("DPOTrainer", inputs, DPOStepBatch)
-        inputs.require(sft="sft" in args.loss_type)
-        rows, ref, sft_divisor = inputs.rows, inputs.ref_logps, inputs.sft_tokens_per_pair
-        labels, lengths = rows.labels, rows.lengths()
+        inputs.require(sft="sft" in args.loss_type, ld=args.ld_weight is not None)
+        rows, ref, sft_divisor, split = inputs.rows, inputs.ref_logps, inputs.sft_tokens_per_pair, inputs.ld_split
+        labels, lengths, alpha = rows.labels, rows.lengths(), args.ld_weight
         opts = args.loss_options(self.bco_shift.delta if self.bco_shift is not None else 0.0, sft_divisor)
         row_loss = None
         if self._loss_aware(mode):
-            row_loss = rows.row_loss(pair_loss_gradient(ref, lengths, args.loss_plan, opts))
+            grad = pair_loss_gradient(ref, lengths, args.loss_plan, opts, alpha)
+            row_loss = rows.row_loss(grad) if split is None else split.row_loss(grad)
         out = self.token_logprobs(model, rows.model_inputs(model), labels, logit_mean=True,
                                   entropy=True, argmax=True, row_loss=row_loss)
         # Summed in fp64 (then rounded once): the loss-aware head sums the same log-probs the
         # same way, so the loss it predicts is the loss computed here.
-        seq = rows.sums(out.logps)  # [2B]
+        seq = rows.sums(out.logps) if split is None else split.sums(out.logps)  # [2B], or [4B] parts (LD-DPO)
         if self.bco_shift is not None and mode == "train":
             # BCO's reward shift: a running mean over every reward seen, this batch included.
-            self._update_bco_shift(args.beta * (seq.detach() - ref.to(seq.dtype)))
+            scored = seq if split is None else ld_weighted(seq, alpha).weighted
+            self._update_bco_shift(args.beta * (scored.detach() - ref.to(seq.dtype)))
             opts = args.loss_options(self.bco_shift.delta, sft_divisor)
         # The metrics TRL logs, from the head's own pass (0 on positions without a label).
         return dpo_batch_loss(seq, ref, lengths, args.loss_plan, opts, logit_sums=rows.sums(out.logit_mean),
-                              entropy_sums=rows.sums(out.entropy), correct=rows.sums(out.argmax_match))
+                              entropy_sums=rows.sums(out.entropy), correct=rows.sums(out.argmax_match), ld_alpha=alpha)
 
     def _loss_aware(self, mode: str) -> bool:
         """Whether the policy's head may form its gradient in the forward: fused, training,

@@ -20,6 +20,7 @@ from typing import Any
 from torch import Tensor
 
 from fusedalign.data.packed_rows import PackedRows
+from fusedalign.data.shared_length import SharedLengthSplit
 from fusedalign.trainers.step_batch import StepBatch, require_parts
 
 
@@ -38,15 +39,21 @@ class DPOStepBatch(StepBatch):
             (zeros when reference-free, as TRL's).
         sft_tokens_per_pair: [] the optimizer step's chosen completion tokens per valid pair
             (all micro-batches, all ranks), the divisor of the `sft` term; None: no `sft` term.
+        ld_split: each sequence cut at its pair's shared length, the parts LD-DPO weighs (the
+            reference's `ref_logps` already weighted by them); None: no `ld_alpha` weighting.
     """
 
     rows: PackedRows
     ref_logps: Tensor
     sft_tokens_per_pair: Tensor | None = None
+    ld_split: SharedLengthSplit | None = None
 
     def __post_init__(self):
         _check_shape("DPOStepBatch", "ref_logps", self.ref_logps, (self.rows.num_sequences,))
         _check_shape("DPOStepBatch", "sft_tokens_per_pair", self.sft_tokens_per_pair, ())
+        if self.ld_split is not None:
+            _check_shape("DPOStepBatch", "ld_split.parts", self.ld_split.parts, tuple(self.rows.labels.shape))
+            _check_shape("DPOStepBatch", "ld_split.groups", self.ld_split.groups, (2 * self.rows.num_sequences,))
 
     def input_tokens(self) -> Tensor:
         return self.rows.input_tokens()
@@ -54,12 +61,13 @@ class DPOStepBatch(StepBatch):
     def forward_tokens(self) -> int:
         return self.rows.forward_tokens()
 
-    def require(self, *, sft: bool) -> "DPOStepBatch":
-        """Refuses a batch whose `sft_tokens_per_pair` is absent though the loss has an `sft` term (or present
-        though it has none)."""
-        require_parts("DPOStepBatch", {"sft_tokens_per_pair": (
-            self.sft_tokens_per_pair, sft, "the sft term (a loss_type with 'sft') divides by the optimizer step's "
-            "chosen tokens per pair")})
+    def require(self, *, sft: bool, ld: bool) -> "DPOStepBatch":
+        """Refuses a batch whose `sft_tokens_per_pair` (`ld_split`) is absent though the loss has an `sft` term
+        (LD-DPO's weighting), or present though it has none."""
+        require_parts("DPOStepBatch", {
+            "sft_tokens_per_pair": (self.sft_tokens_per_pair, sft, "the sft term (a loss_type with 'sft') divides "
+                                    "by the optimizer step's chosen tokens per pair"),
+            "ld_split": (self.ld_split, ld, "ld_alpha weighs the tokens past each pair's shared length")})
         return self
 
 

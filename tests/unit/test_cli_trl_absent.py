@@ -87,7 +87,7 @@ SCRIPT_FIELDS = {"dataset_streaming", "ignore_bias_buffers", "datasets", "stream
 CONFIG_FIELDS = {
     "sft": {"dataset_text_field", "loss_type", "packing_strategy", "shuffle_dataset", "eos_token", "pad_token",
             "chat_template_path", "dataset_kwargs", "activation_offloading"},
-    "dpo": {"ld_alpha", "use_weighting", "precompute_ref_batch_size", "activation_offloading", "pad_token"},
+    "dpo": {"use_weighting", "precompute_ref_batch_size", "activation_offloading", "pad_token"},
     "kto": {"precompute_ref_batch_size", "activation_offloading"},
 }
 
@@ -102,7 +102,7 @@ def test_trl_script_and_config_fields_are_in_the_table(command):
 @pytest.mark.parametrize("command,flags", [
     ("sft", ["--dataset_text_field", "text", "--loss_type", "chunked_nll", "--packing_strategy", "bfd",
              "--shuffle_dataset", "false", "--eos_token", "None", "--dataset_kwargs", "{}"]),
-    ("dpo", ["--ld_alpha", "1.0", "--use_weighting", "false", "--precompute_ref_batch_size", "None"]),
+    ("dpo", ["--use_weighting", "false", "--precompute_ref_batch_size", "None"]),
     ("kto", ["--activation_offloading", "false", "--load_in_4bit", "false", "--bnb_4bit_quant_type", "nf4"]),
 ])
 def test_a_trl_command_line_at_its_defaults_runs_as_without_them(command, flags):
@@ -142,17 +142,16 @@ def test_dataset_kwargs_without_skipping_the_preparation_is_dropped(tmp_path, ca
     assert "give tokenised rows (input_ids, optionally completion_mask)" in capsys.readouterr().err
 
 
-
-def test_f_dpo_flags_are_dpo_flags_that_train(tmp_path):
-    """f-DPO's fields are DPOConfig's own (TRL 1.16's names and defaults), taken by `fusedalign dpo`
-    and trained with, not refused here."""
-    flags = ["--f_divergence_type", "js_divergence", "--f_alpha_divergence_coef", "0.3"]
-    assert {"f_divergence_type", "f_alpha_divergence_coef"} <= _known("dpo")
-    assert not {"f_divergence_type", "f_alpha_divergence_coef"} & set(ABSENT)
+def test_ld_dpo_and_f_dpo_are_dpo_flags_that_train(tmp_path):
+    """LD-DPO's and f-DPO's fields are DPOConfig's own (TRL 1.16's names and defaults), taken by
+    `fusedalign dpo` and trained with, not refused here."""
+    flags = ["--ld_alpha", "0.5", "--f_divergence_type", "js_divergence", "--f_alpha_divergence_coef", "0.3"]
+    assert {"ld_alpha", "f_divergence_type", "f_alpha_divergence_coef"} <= _known("dpo")
+    assert not {"ld_alpha", "f_divergence_type", "f_alpha_divergence_coef"} & set(ABSENT)
     _, args, *_ = parse("dpo", dataclass_types("dpo"), [*flags, "--output_dir", str(tmp_path)], announce=False)
-    assert (args.f_divergence_type, args.f_alpha_divergence_coef) == ("js_divergence", 0.3)
+    assert (args.ld_alpha, args.f_divergence_type, args.f_alpha_divergence_coef) == (0.5, "js_divergence", 0.3)
     _, default, *_ = parse("dpo", dataclass_types("dpo"), ["--output_dir", str(tmp_path)], announce=False)
-    assert (default.f_divergence_type, default.f_alpha_divergence_coef) == ("reverse_kl", 0.5)
+    assert (default.ld_alpha, default.f_divergence_type, default.f_alpha_divergence_coef) == (None, "reverse_kl", 0.5)
     out = tmp_path / "run"
-    assert main(["dpo", *flags[:2], "--max_steps", "2", "--eval_strategy", "no", "--output_dir", str(out)]) == 0
+    assert main(["dpo", *flags[:4], "--max_steps", "2", "--eval_strategy", "no", "--output_dir", str(out)]) == 0
     assert (out / "model.safetensors").is_file()
