@@ -1,6 +1,7 @@
 """LD-DPO (`ld_alpha`): each row layout's cut at the pair's shared length against a hand computation
 of TRL 1.16's masks; the loss on the weighted sums (sft on the plain ones); and DPO training with
-it: fused = unfused, packed rows = padded rows, 1.0 = None exactly, and not the run without it."""
+it: fused = unfused, packed rows = padded rows, 1.0 = None exactly, and not the run without it.
+f-DPO in training (fused = unfused, not reverse_kl's run) and both options' config checks."""
 
 from __future__ import annotations
 
@@ -169,3 +170,22 @@ def test_the_config_refuses_a_divergence_a_loss_type_lacks_and_ld_alpha_out_of_r
     assert (opts.f_divergence_type, opts.f_alpha_divergence_coef) == ("alpha_divergence", 0.3)
     assert [DPOConfig(output_dir=str(tmp_path), ld_alpha=a).ld_weight for a in (None, 1.0, 0.0, 0.5)] == \
         [None, None, 0.0, 0.5]
+
+
+@pytest.mark.parametrize("loss_type,divergence", [("ipo", "alpha_divergence"), ("discopop", "js_divergence")])
+def test_training_with_an_f_divergence_fused_equals_unfused_and_differs_from_reverse_kl(tmp_path, loss_type,
+                                                                                       divergence):
+    """The loss-aware head declares the f-DPO loss (its gradient matched in backward), the unfused path
+    computes the same; and the divergence changes the training (at step 1 every score is 0, as the
+    policy is the reference, but js_divergence's slope there is 1/2: another gradient; step 2's loss)."""
+    f = dict(loss_type=[loss_type], f_divergence_type=divergence, f_alpha_divergence_coef=0.3, ld_alpha=ALPHA)
+    calls = Counter()
+    fused = _run(tmp_path / "fused", _edge_rows(), calls=calls, fused_head=True, **f)
+    unfused = _run(tmp_path / "unfused", _edge_rows(), fused_head=False, **f)
+    _assert_loss_aware_ran(calls, steps=2)
+    _assert_same_training(fused, unfused, steps=2)
+    reverse = _run(tmp_path / "reverse", _edge_rows(), fused_head=False, loss_type=[loss_type], ld_alpha=ALPHA)
+    if divergence == "js_divergence":
+        assert unfused[0][0]["grad_norm"] == pytest.approx(reverse[0][0]["grad_norm"] / 2, rel=1e-4)
+    else:
+        assert abs(reverse[0][1]["loss"] - unfused[0][1]["loss"]) > 1e-4
