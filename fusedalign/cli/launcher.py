@@ -74,15 +74,17 @@ class HeldOutput:
         *lines, self.rest = (self.rest + text).split("\n")
         for line in lines:
             self._line(line)
-        if "\r" in self.rest and not (self.in_traceback or self.error_line):
-            shown, self.rest = self.rest.rsplit("\r", 1)  # a progress bar's redraws, forwarded as they come
+        if "\r" in self.rest and not (self.in_traceback or self.error_line or ERROR_LINE.search(self.rest)):
+            # A progress bar's redraws, forwarded as they come; an unfinished line that holds an error
+            # (another rank's bar may redraw after it before the newline) waits for its end.
+            shown, self.rest = self.rest.rsplit("\r", 1)
             self.write(shown + "\r")
 
     def _line(self, line: str) -> None:
         bare = line.rsplit("\r", 1)[-1]
-        if found := ERROR_LINE.search(bare):
-            # Another rank's unfinished progress bar may precede the error on the same line.
-            said = bare[found.start():]
+        if found := ERROR_LINE.search(line):
+            # Another rank's progress bar may share the error's line, before it or redrawn after it.
+            said = line[found.start():].split("\r", 1)[0]
             if self.error_line is None or ("(rank" in self.error_line and "(rank" not in said):
                 self.error_line = said  # rank 0's, when it speaks
             self.held.append(line)

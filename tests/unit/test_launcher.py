@@ -76,6 +76,16 @@ def test_an_error_line_after_another_ranks_unfinished_progress_bar_is_held_and_s
     assert last == ERROR and "error:" not in written
 
 
+def test_an_error_line_with_another_ranks_bar_redrawn_after_it_on_the_same_line_is_said_once_last():
+    # Rank 1's bar redraws (a carriage return, no newline) after rank 0's error, before any newline:
+    # the pipe's unfinished line then holds the error between two redraws.
+    bar = "Loading weights:   0%|          | 0/27 [00:00<?, ?it/s]"
+    for cut in (5, len(ERROR) // 2, len(ERROR)):
+        chunks = ["\r" + bar, "\r" + ERROR[:cut], ERROR[cut:] + "\r" + bar[:10], bar[10:] + "\n"]
+        written, last = _run(chunks, failed=True)
+        assert last == ERROR and "error:" not in written, (cut, written)
+
+
 def test_a_failure_without_our_line_shows_everything_it_held():
     written, last = _run(["step 1\n", GLOO_TRACEBACK, LAUNCHER_TRACEBACK], failed=True)
     assert last is None
