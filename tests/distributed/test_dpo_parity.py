@@ -5,7 +5,9 @@ after another in the same processes. Every scenario trains 3 SGD steps in fp32 o
 same global batches (2 ranks x 2 pairs against 1 process x 4 pairs, sequential order)
 and must reproduce the per-step losses, evaluation metrics and final weights of the
 single-process unfused baseline to 1e-5 relative: padded rows, and padding-free rows with
-the prompt computed once (`padding_free`, `share_prompt`), also by token budget.
+the prompt computed once (`padding_free`, `share_prompt`), also by token budget; and LD-DPO
+with an f-divergence (`ld_alpha` 0.5, `js_divergence`), padded and packed, which cut each
+sequence at its pair's shared length inside each rank's micro-batch.
 """
 
 from __future__ import annotations
@@ -50,6 +52,11 @@ PACKED = {"padding_free": True, "share_prompt": True}
 # repeating a row, which the per-pair metrics must drop (the one-process run has none to drop).
 ODD_EVAL = {**DPO, **PACKED, "name": "odd_eval_packed", "fused": True, "evaluate": True, "eval_rows": 27, "steps": 1}
 BASELINE.append({**ODD_EVAL, "per_device_batch": 4})
+# LD-DPO (the tokens past a pair's shared length weighted 0.5) with the JS f-divergence.
+LD = {**DPO, "ld_alpha": 0.5, "f_divergence_type": "js_divergence"}
+BASELINE.append({**LD, "name": "ld", "fused": False, "per_device_batch": 4})
+_ld = [({**LD, "name": "ld_fused", "fused": True, "per_device_batch": 2}, "ld"),
+       ({**LD, **PACKED, "name": "ld_packed_fused", "fused": True, "per_device_batch": 2}, "ld")]
 # Per backend: (scenario spec, baseline it must equal). 2 processes x 2 pairs per step.
 _common = [
     ({**DPO, "name": "fused", "fused": True, "per_device_batch": 2, "evaluate": True}, "qwen2"),
@@ -64,12 +71,12 @@ BUDGET = {**DPO, **PACKED, "name": "budget", "fused": True, "per_device_batch": 
 # torch.compile'd decoder layers (refused under ZeRO-3, see test_backbone.py).
 _compiled = ({**DPO, "name": "compiled", "fused": True, "per_device_batch": 2, "compile": True}, "qwen2")
 SCENARIOS: dict[str, list[tuple[dict, str]]] = {
-    "ddp": _common + [_compiled, (BUDGET, "rows8"), ({**ODD_EVAL, "per_device_batch": 2}, None)],
+    "ddp": _common + _ld + [_compiled, (BUDGET, "rows8"), ({**ODD_EVAL, "per_device_batch": 2}, None)],
     "zero2": _common + [
         ({**DPO, "name": "compiled_checkpointed", "fused": True, "per_device_batch": 2, "compile": True,
           "gradient_checkpointing": True}, "qwen2"),
     ],
-    "zero3": _common + [
+    "zero3": _common + _ld + [
         ({**DPO, "name": "tied", "fused": True, "per_device_batch": 2, "model": "builtin:tiny-llama"}, "llama"),
         ({**DPO, "name": "lora", "fused": True, "per_device_batch": 2, "peft": True}, "lora"),
         ({**DPO, "name": "precompute", "fused": True, "per_device_batch": 2, "precompute": True, "evaluate": True}, "qwen2"),
@@ -93,6 +100,14 @@ def test_baseline_trains_and_fused_equals_unfused_in_one_process(runs):
     initial = load_file(str(ROOT / "fusedalign" / "resources" / "models" / "tiny-qwen2" / "model.safetensors"))
     assert_weights_changed(single, "qwen2", initial)
     assert_same_training(single, "qwen2_fused", single, "qwen2", backend=None)
+
+
+def test_the_ld_baseline_is_not_plain_dpo(runs):
+    """LD-DPO with the JS f-divergence trains otherwise than plain DPO once the policy has moved (the
+    first step's loss is log 2 for both: policy = reference)."""
+    single = runs(None)
+    ld, plain = result(single, "ld")["losses"], result(single, "qwen2")["losses"]
+    assert len(ld) == len(plain) == 3 and all(abs(a - b) > 1e-3 for a, b in zip(ld[1:], plain[1:])), (ld, plain)
 
 
 # One process, each against the baseline it must reproduce: gradient accumulation 2x2 =
