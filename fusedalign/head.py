@@ -56,6 +56,8 @@ class TokenLogProbs(NamedTuple):
         argmax_match: [B, T] bool, whether the most likely token is the label, or None.
         backend: what computed them: "unfused" (materialised logits) or the head op's
             backend ("torch-chunked", "triton", "reference").
+        log_sum_sq_probs: [B, T] float32 log sum_v p_v^2 of the predictive distribution,
+            detached, or None; 0 where the label is ignored.
     """
 
     logps: torch.Tensor
@@ -63,6 +65,7 @@ class TokenLogProbs(NamedTuple):
     logit_mean: torch.Tensor | None = None
     argmax_match: torch.Tensor | None = None
     backend: str = "unfused"
+    log_sum_sq_probs: torch.Tensor | None = None
 
 
 def logprobs_from_logits(
@@ -74,6 +77,7 @@ def logprobs_from_logits(
     logit_mean: bool = False,
     argmax: bool = False,
     entropy_grad: bool = False,
+    log_sum_sq_probs: bool = False,
 ) -> TokenLogProbs:
     """The unfused computation: log_softmax over materialised logits, then gather.
 
@@ -94,7 +98,10 @@ def logprobs_from_logits(
             ent = (-(logprobs.exp() * logprobs).sum(-1)).masked_fill(ignored, 0.0)
         mean = z.mean(-1).masked_fill(ignored, 0.0) if logit_mean else None
         match = (z.argmax(-1) == labels) & ~ignored if argmax else None
-    return TokenLogProbs(logps, ent, mean, match)
+        y = z / temperature
+        sum_sq = ((torch.logsumexp(2 * y, -1) - 2 * torch.logsumexp(y, -1)).masked_fill(ignored, 0.0)
+                  if log_sum_sq_probs else None)
+    return TokenLogProbs(logps, ent, mean, match, log_sum_sq_probs=sum_sq)
 
 
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:
@@ -121,6 +128,7 @@ def token_logprobs(
     row_loss: RowLoss | None = None,
     entropy_grad: bool = False,
     batch_invariant: bool = False,
+    log_sum_sq_probs: bool = False,
 ) -> TokenLogProbs:
     """Per-token log-probs of the next tokens from one ordinary forward of `model`.
 
@@ -144,6 +152,8 @@ def token_logprobs(
         row_loss: The loss the log-probs feed, per row sum (fused only: lets the head form its
             gradient in the forward; the unfused path computes the same function without it).
         entropy_grad: Return the entropy with its gradient (GRPO's entropy bonus), fused or not.
+        log_sum_sq_probs: Also return log sum_v p_v^2 per position, detached (WPO's weights); fused, the
+            head op's chunked torch backend computes it (the Triton kernels do not).
         batch_invariant: Fused only: the head's results for a row do not depend on the batch's
             other rows (`ops.head_logprobs`); the unfused path computes the same function from
             the model's logits without it.
@@ -152,7 +162,8 @@ def token_logprobs(
         raise TypeError("token_logprobs: give exactly one of labels= (aligned with input_ids, as in "
                         "transformers) or targets= (targets[:, t] is predicted at position t).")
     labels = shift_labels(labels) if targets is None else targets
-    stats = {"entropy": entropy, "logit_mean": logit_mean, "argmax": argmax, "entropy_grad": entropy_grad}
+    stats = {"entropy": entropy, "logit_mean": logit_mean, "argmax": argmax, "entropy_grad": entropy_grad,
+             "log_sum_sq_probs": log_sum_sq_probs}
     if not fused:
         logits = model(**forward_inputs(model, inputs)).logits
         return logprobs_from_logits(logits, labels, temperature=temperature, **stats)
@@ -178,4 +189,4 @@ def token_logprobs(
     entropy_out = last.entropy
     if entropy_grad:  # the entropy's gradient, too, flows through the model's output
         logps, entropy_out = logps.unbind(-1)
-    return TokenLogProbs(logps, entropy_out, last.logit_mean, last.argmax_match, last.backend)
+    return TokenLogProbs(logps, entropy_out, last.logit_mean, last.argmax_match, last.backend, last.log_sum_sq_probs)

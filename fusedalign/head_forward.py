@@ -224,6 +224,7 @@ def fused_head(
     entropy: bool = False,
     logit_mean: bool = False,
     argmax: bool = False,
+    log_sum_sq_probs: bool = False,
     row_loss: RowLoss | None = None,
     entropy_grad: bool = False,
     batch_invariant: bool = False,
@@ -240,7 +241,8 @@ def fused_head(
         labels: [B, T] token ids aligned to positions (`labels[:, t]` is predicted at position t),
             -100 where nothing is scored.
         temperature: Divides the logits inside the softmax.
-        entropy, logit_mean, argmax: Which detached per-token statistics to compute in the same pass.
+        entropy, logit_mean, argmax, log_sum_sq_probs: Which detached per-token statistics to compute in
+            the same pass (`ops.head_logprobs`).
         entropy_grad: The entropy with its gradient; the model then returns `[B, T, 2]`
             (log-probs, entropy) stacked where it would return logits.
         batch_invariant: The op's `batch_invariant` (each row's results independent of the
@@ -257,7 +259,7 @@ def fused_head(
     lm = unwrap_model(model)
     post = post_processing_of(lm)
     stats = {"entropy": entropy, "logit_mean": logit_mean, "argmax": argmax, "entropy_grad": entropy_grad,
-             "batch_invariant": batch_invariant}
+             "log_sum_sq_probs": log_sum_sq_probs, "batch_invariant": batch_invariant}
     state = FusedHead(labels, post, temperature, stats, row_loss)
     head = _head_module(lm)
     forward = _lora_forward(state) if _is_lora_layer(head) else _plain_forward(state)

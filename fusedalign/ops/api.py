@@ -31,6 +31,7 @@ def head_logprobs(
     entropy_grad: bool = False,
     logit_mean: bool = False,
     argmax: bool = False,
+    log_sum_sq_probs: bool = False,
     chunk_size: int | None = None,
     memory_budget_bytes: int | None = None,
     backend: str = "auto",
@@ -72,6 +73,10 @@ def head_logprobs(
             get no gradient from either. Not with `sequence_loss` (ValueError).
         logit_mean: also return the mean of z over the vocabulary, detached.
         argmax: also return whether argmax(z) == label.
+        log_sum_sq_probs: also return log sum_v p_v^2, p = softmax(z / temperature), detached
+            (= logsumexp(2 z / T) - 2 logsumexp(z / T); WPO's weights). The Triton kernels do
+            not compute it: "auto" then runs the chunked "torch" backend, and backend="triton"
+            is refused (BackendUnavailableError). Not with `sequence_loss` (ValueError).
         chunk_size: tokens per chunk; overrides `memory_budget_bytes`.
         memory_budget_bytes: bytes for one fp32 logits chunk [rows, V] (default 256 MiB
             on CUDA, 32 MiB elsewhere); peak extra memory is a small multiple of it. The
@@ -90,7 +95,9 @@ def head_logprobs(
             `DeclaredLossMismatch` if they differ. Not used with low_rank, by "reference",
             without gradients, or when one group alone exceeds `block_budget_bytes`.
             Refused with `entropy_grad`: a loss with an entropy term is not a function of
-            the sequence sums alone, which is what the declaration promises.
+            the sequence sums alone, which is what the declaration promises; and with
+            `log_sum_sq_probs`, which the block math does not compute (its one user, WPO,
+            weighs each pair's loss by it, so that loss is not known before the forward).
         block_budget_bytes: bytes for one block's logits in the loss-aware mode (default
             4 GiB on CUDA, 256 MiB elsewhere). Peak extra memory is that block plus fp32
             [N, H] and [V, H] gradients held from forward to backward.
@@ -115,7 +122,9 @@ def head_logprobs(
     """
     hidden, weight, bias, low_rank = _apply_autocast(hidden, weight, bias, low_rank)
     _check_tensors(hidden, weight, labels, bias, low_rank)
-    impl = resolve_backend(backend, hidden.device, hidden.dtype)
+    # A statistic the Triton kernels lack sends "auto" to the chunked torch backend (`ops/registry.py`).
+    needs = frozenset({"log_sum_sq_probs"}) if log_sum_sq_probs else frozenset()
+    impl = resolve_backend(backend, hidden.device, hidden.dtype, needs)
     ignore_index = _integer("ignore_index", ignore_index)
     _check_label_range(labels, weight.shape[0], ignore_index)
     labels = labels.long()
@@ -130,6 +139,11 @@ def head_logprobs(
                 "head_logprobs: sequence_loss and entropy_grad=True cannot be combined: a declared "
                 "SequenceLoss is a function of the sequences' log-prob sums alone, and a loss that also "
                 "takes the entropy is not; pass sequence_loss=None for the per-token op"
+            )
+        if log_sum_sq_probs:
+            raise ValueError(
+                "head_logprobs: sequence_loss and log_sum_sq_probs=True cannot be combined: the loss-aware mode's "
+                "block math does not compute the statistic; pass sequence_loss=None for the per-token op"
             )
         if batch_invariant:
             raise ValueError(
@@ -156,6 +170,7 @@ def head_logprobs(
         entropy_grad=bool(entropy_grad),
         logit_mean=bool(logit_mean),
         argmax=bool(argmax),
+        log_sum_sq_probs=bool(log_sum_sq_probs),
         batch_invariant=bool(batch_invariant),
         chunk_rows=resolve_chunk_rows(n, v, hidden.device, chunk_size, memory_budget_bytes, bool(batch_invariant)),
     )
@@ -180,7 +195,7 @@ def _scatter_rows(out: HeadOutput, rows: Tensor, n: int) -> HeadOutput:
         return value.new_zeros((n,)).index_copy(0, rows, value)
 
     return out._replace(logps=put(out.logps), entropy=put(out.entropy), logit_mean=put(out.logit_mean),
-                        argmax_match=put(out.argmax_match))
+                        argmax_match=put(out.argmax_match), log_sum_sq_probs=put(out.log_sum_sq_probs))
 
 
 def reference_head_logprobs(*args, backend: str = "reference", **kwargs) -> HeadOutput:

@@ -74,15 +74,15 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
         entropy = out[1] if opts.entropy_grad else None
         ctx.save_for_backward(hidden, weight, labels, bias, down, up, out[-1], entropy)
         ctx.opts = opts
-        stats = [t for t in out[1:4] if t is not None and t is not entropy]
+        stats = [t for t in out[1:5] if t is not None and t is not entropy]
         ctx.mark_non_differentiable(*stats)
         if opts.entropy_grad:  # an output the loss does not use gets None, not zeros: no work for it
             ctx.set_materialize_grads(False)
-        return out[:4]
+        return out[:5]
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_logps, grad_entropy, _grad_mean, _grad_argmax):
+    def backward(ctx, grad_logps, grad_entropy, _grad_mean, _grad_argmax, _grad_sum_sq):
         hidden, weight, labels, bias, down, up, lse, entropy = ctx.saved_tensors
         needs = ctx.needs_input_grad  # (hidden, weight, labels, bias, down, up, opts)
         if grad_logps is None:  # only the entropy feeds the loss
@@ -99,7 +99,7 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
 
 
 def _forward(hidden, weight, labels, bias, down, up, opts: HeadOptions):
-    """Returns (logps, entropy, logit_mean, argmax_match, lse); stats None unless asked."""
+    """Returns (logps, entropy, logit_mean, argmax_match, log_sum_sq_probs, lse); stats None unless asked."""
     n, dev = hidden.shape[0], hidden.device
     cdt = compute_dtype(hidden.dtype)
     valid = labels != opts.ignore_index
@@ -109,6 +109,7 @@ def _forward(hidden, weight, labels, bias, down, up, opts: HeadOptions):
     entropy = torch.empty(n, dtype=cdt, device=dev) if opts.entropy else None
     mean = torch.empty(n, dtype=cdt, device=dev) if opts.logit_mean else None
     match = torch.empty(n, dtype=torch.bool, device=dev) if opts.argmax else None
+    sum_sq = torch.empty(n, dtype=cdt, device=dev) if opts.log_sum_sq_probs else None
     T, c = opts.temperature, opts.softcap
 
     for start in range(0, n, opts.chunk_rows):
@@ -120,14 +121,11 @@ def _forward(hidden, weight, labels, bias, down, up, opts: HeadOptions):
             y.div_(c).tanh_().mul_(c)  # z, in place
         if T != 1.0:
             y.div_(T)  # y = z / T, in place; the statistics below undo T where they need z
-        logps[sl], lse[sl], ent_c, mean_c, match_c = _chunk_forward(y, safe[sl], valid[sl], opts)
-        if entropy is not None:
-            entropy[sl] = ent_c
-        if mean is not None:
-            mean[sl] = mean_c
-        if match is not None:
-            match[sl] = match_c
-    return logps, entropy, mean, match, lse
+        logps[sl], lse[sl], *stats = _chunk_forward(y, safe[sl], valid[sl], opts)
+        for dst, val in zip((entropy, mean, match, sum_sq), stats):
+            if dst is not None:
+                dst[sl] = val
+    return logps, entropy, mean, match, sum_sq, lse
 
 
 def _forward_invariant(hidden, weight, labels, bias, down, up, opts: HeadOptions):
@@ -150,7 +148,8 @@ def _forward_invariant(hidden, weight, labels, bias, down, up, opts: HeadOptions
     pad_safe, pad_valid = safe.new_zeros(rows), valid.new_zeros(rows)
     outs = [torch.zeros(n, dtype=cdt, device=dev), torch.empty(n, dtype=cdt, device=dev)]  # logps, lse
     outs += [torch.empty(n, dtype=t, device=dev) if wanted else None
-             for t, wanted in ((cdt, opts.entropy), (cdt, opts.logit_mean), (torch.bool, opts.argmax))]
+             for t, wanted in ((cdt, opts.entropy), (cdt, opts.logit_mean), (torch.bool, opts.argmax),
+                               (cdt, opts.log_sum_sq_probs))]
     for start in range(0, n, rows):
         sl, k = slice(start, start + rows), min(rows, n - start)
         z = y[:, :v]  # the real columns, in place
@@ -167,32 +166,33 @@ def _forward_invariant(hidden, weight, labels, bias, down, up, opts: HeadOptions
             z.div_(opts.temperature)
         chunk = _chunk_forward(y, invariant.rows_into(pad_safe[:, None], safe[sl, None]).squeeze(1),
                                invariant.rows_into(pad_valid[:, None], valid[sl, None]).squeeze(1), opts, width=v)
-        for dst, val in zip(outs, chunk):  # (logps, lse, entropy, logit_mean, argmax_match)
+        for dst, val in zip(outs, chunk):  # (logps, lse, entropy, logit_mean, argmax_match, log_sum_sq_probs)
             if dst is not None:
                 dst[sl] = val[:k]
-    logps, lse, entropy, mean, match = outs
-    return logps, entropy, mean, match, lse
+    logps, lse, entropy, mean, match, sum_sq = outs
+    return logps, entropy, mean, match, sum_sq, lse
 
 
 def _chunk_forward(y: Tensor, safe: Tensor, valid: Tensor, opts: HeadOptions, width: int | None = None):
-    """(logps, lse, entropy, logit_mean, argmax_match) of one chunk's y = z / T [n, V].
+    """(logps, lse, entropy, logit_mean, argmax_match, log_sum_sq_probs) of one chunk's y = z / T [n, V].
 
     Statistics are None unless requested; y is read, never written. `width`: the real
     columns of a y padded at PAD_LOGIT beyond them (batch-invariant mode); None: all.
     """
     T = opts.temperature
     m = y.amax(dim=1, keepdim=True)  # [n, 1]: shift so exp never overflows
+    d = y - m if opts.entropy else None  # [n, V]
+    e = d.exp() if d is not None else torch.sub(y, m).exp_()  # [n, V], in (0, 1], 1 at the max
+    s = e.sum(dim=1)
+    # log sum_v p_v^2 = logsumexp(2y) - 2 logsumexp(y) = log sum_v e_v^2 - 2 log s: one more
+    # reduction over the chunk; both sums are >= 1 (the max's term), so neither underflows.
+    sum_sq = torch.linalg.vecdot(e, e).log() - 2 * s.log() if opts.log_sum_sq_probs else None
     entropy = None
     if opts.entropy:
-        d = y - m  # [n, V]
-        e = d.exp()
-        s = e.sum(dim=1)
         # H = lse - E_p[y] = log s - E_p[y - m]: the shifted form avoids cancelling
         # two large numbers when the logits are large.
         entropy = s.log() - e.mul_(d).sum(dim=1) / s
-        del d, e
-    else:
-        s = torch.sub(y, m).exp_().sum(dim=1)
+    del d, e
     lse = m.squeeze(1) + s.log()
     target = y.gather(1, safe[:, None]).squeeze(1)
     logps = torch.where(valid, target - lse, 0.0)
@@ -202,7 +202,7 @@ def _chunk_forward(y: Tensor, safe: Tensor, valid: Tensor, opts: HeadOptions, wi
         mean = None
     # argmax of z equals argmax of z / T because T > 0.
     match = (y.argmax(dim=1) == safe) & valid if opts.argmax else None
-    return logps, lse, entropy, mean, match
+    return logps, lse, entropy, mean, match, sum_sq
 
 
 def _softmax_input(a: Tensor, opts: HeadOptions) -> tuple[Tensor, Tensor | None]:
@@ -307,7 +307,7 @@ class TorchBlocks(BlockMath):
         cdt = compute_dtype(hidden.dtype)
         y, t = _softmax_input(_scaled_logits(hidden, weight, bias, None, None, opts, cdt), opts)  # [R, V]
         valid = labels != opts.ignore_index
-        logps, lse, entropy, mean, match = _chunk_forward(y, labels.masked_fill(~valid, 0), valid, opts)
+        logps, lse, entropy, mean, match, _ = _chunk_forward(y, labels.masked_fill(~valid, 0), valid, opts)
         return BlockForward((y, t, lse, hidden.dtype), logps, entropy, mean, match)
 
     @staticmethod
@@ -327,10 +327,11 @@ def chunked_head_logprobs(
 ) -> HeadOutput:
     """The "torch" backend. Inputs are validated by `head_logprobs`; shapes as there."""
     down, up = (None, None) if low_rank is None else (low_rank.down, low_rank.up)
-    logps, entropy, mean, match = _ChunkedHeadLogprobs.apply(
+    logps, entropy, mean, match, sum_sq = _ChunkedHeadLogprobs.apply(
         hidden, weight, labels, bias, down, up, opts
     )
-    return HeadOutput(logps, entropy, mean, match, backend="torch-chunked")
+    return HeadOutput(logps, entropy, mean, match, backend="torch-chunked", log_sum_sq_probs=sum_sq)
 
 
-register_backend(Backend(key="torch", name="torch-chunked", run=chunked_head_logprobs, blocks=TorchBlocks()))
+register_backend(Backend(key="torch", name="torch-chunked", run=chunked_head_logprobs, blocks=TorchBlocks(),
+                         statistics=frozenset({"log_sum_sq_probs"})))

@@ -63,6 +63,9 @@ class HeadOutput(NamedTuple):
         backend: which backend ran: "torch-chunked", "triton" or "reference".
         loss_aware: whether the gradient was formed in the forward from a declared
             `SequenceLoss` (three logits GEMMs instead of four).
+        log_sum_sq_probs: [N] float32, detached log sum_v p_v^2 of p = softmax(z / T) (0 where
+            ignored; WPO's weights); None unless requested. Last, so that the backends that
+            never compute it build a `HeadOutput` as before.
     """
 
     logps: Tensor
@@ -71,6 +74,7 @@ class HeadOutput(NamedTuple):
     argmax_match: Tensor | None
     backend: str
     loss_aware: bool = False
+    log_sum_sq_probs: Tensor | None = None
 
 
 class SequenceLoss(NamedTuple):
@@ -114,6 +118,9 @@ class HeadOptions:
     entropy_grad: bool = False  # implies entropy
     logit_mean: bool = False
     argmax: bool = False
+    # log sum_v p_v^2, p = softmax(z / T): one more reduction per chunk (not in every backend:
+    # `Backend.statistics`, `ops/registry.py`).
+    log_sum_sq_probs: bool = False
     # Each row's results independent of the other rows of the call (`ops/invariant.py`).
     batch_invariant: bool = False
     chunk_rows: int = 1  # tokens per chunk; resolved from the budget before dispatch

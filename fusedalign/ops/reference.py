@@ -35,7 +35,8 @@ def unfused_head_logprobs(
             for i in range(hidden.shape[0])
         ]
         cat = lambda name: None if getattr(parts[0], name) is None else torch.cat([getattr(p, name) for p in parts])  # noqa: E731
-        return HeadOutput(cat("logps"), cat("entropy"), cat("logit_mean"), cat("argmax_match"), backend="reference")
+        return HeadOutput(cat("logps"), cat("entropy"), cat("logit_mean"), cat("argmax_match"), backend="reference",
+                          log_sum_sq_probs=cat("log_sum_sq_probs"))
     cdt = compute_dtype(hidden.dtype)
     # The GEMMs run in the input dtype and are upcast afterwards, as in every backend.
     a = (hidden @ weight.t()).to(cdt)  # [N, H] @ [H, V]
@@ -45,14 +46,15 @@ def unfused_head_logprobs(
         a = a + low_rank.scale * (low_rank.down @ low_rank.up.t()).to(cdt)  # [N, r] @ [r, V]
     a = a * opts.logit_scale
     z = a if opts.softcap is None else opts.softcap * torch.tanh(a / opts.softcap)
-    logp_all = torch.log_softmax(z / opts.temperature, dim=-1)  # [N, V]
+    y = z / opts.temperature
+    logp_all = torch.log_softmax(y, dim=-1)  # [N, V]
 
     valid = labels != opts.ignore_index
     safe = labels.masked_fill(~valid, 0)
     target = logp_all.gather(1, safe[:, None]).squeeze(1)
     logps = torch.where(valid, target, 0.0).to(cdt)
 
-    entropy = mean = match = None
+    entropy = mean = match = sum_sq = None
     if opts.entropy_grad:  # differentiated by autograd; ignored rows keep their value, get no gradient
         entropy = -(logp_all.exp() * logp_all).sum(dim=-1).to(cdt)
         entropy = torch.where(valid, entropy, entropy.detach())
@@ -63,7 +65,10 @@ def unfused_head_logprobs(
             mean = z.mean(dim=-1).to(cdt)
         if opts.argmax:
             match = (z.argmax(dim=-1) == safe) & valid
-    return HeadOutput(logps, entropy, mean, match, backend="reference")
+        if opts.log_sum_sq_probs:  # log sum_v p_v^2, as the definition writes it
+            sum_sq = (torch.logsumexp(2 * y, dim=-1) - 2 * torch.logsumexp(y, dim=-1)).to(cdt)
+    return HeadOutput(logps, entropy, mean, match, backend="reference", log_sum_sq_probs=sum_sq)
 
 
-register_backend(Backend(key="reference", name="reference", run=unfused_head_logprobs))
+register_backend(Backend(key="reference", name="reference", run=unfused_head_logprobs,
+                         statistics=frozenset({"log_sum_sq_probs"})))

@@ -6,7 +6,11 @@ when their module is imported; optional ones (a CUDA Triton kernel in
 `ops/triton_head.py`) are imported only when asked for, so a missing dependency costs
 nothing until someone requests that backend by name — and then fails loudly, never
 swapping in another computation. Only "auto" moves on to the next backend that can run
-(the same function; `HeadOutput.backend` says which one ran).
+(the same function; `HeadOutput.backend` says which one ran). A statistic that not every
+backend computes (`OPTIONAL_STATISTICS`) is a need of the call: "auto" passes over a backend
+that lacks it (on CUDA the Triton head, whose kernels do not compute `log_sum_sq_probs`, so
+a call asking for it runs the chunked torch backend), and a backend named explicitly that
+lacks it is refused.
 """
 
 from __future__ import annotations
@@ -20,6 +24,10 @@ from torch import Tensor
 
 from fusedalign.ops.blocks import BlockMath
 from fusedalign.ops.options import HeadOptions, HeadOutput, LowRank
+
+# Statistics a backend computes only if it says so (`Backend.statistics`); entropy, logit_mean
+# and argmax every backend computes.
+OPTIONAL_STATISTICS = frozenset({"log_sum_sq_probs"})
 
 BackendFn = Callable[
     [Tensor, Tensor, Tensor, "Tensor | None", "LowRank | None", HeadOptions], HeadOutput
@@ -44,6 +52,7 @@ class Backend:
         blocks: the backend's block math for the loss-aware mode (the `BlockMath`
             protocol of `ops/blocks.py`), or None when it has none (the op then runs the
             ordinary path).
+        statistics: which of `OPTIONAL_STATISTICS` its `run` computes.
     """
 
     key: str
@@ -52,12 +61,17 @@ class Backend:
     unavailable_reason: Callable[[torch.device], str | None] = lambda device: None
     dtype_reason: Callable[[torch.dtype], str | None] = lambda dtype: None
     blocks: BlockMath | None = None
+    statistics: frozenset[str] = frozenset()
 
-    def reason(self, device: torch.device, dtype: torch.dtype | None) -> str | None:
-        """Why this backend cannot run here, or None when it can."""
+    def reason(self, device: torch.device, dtype: torch.dtype | None,
+               needs: frozenset[str] = frozenset()) -> str | None:
+        """Why this backend cannot run here (or compute the statistics `needs` names), or None when it can."""
         why = self.unavailable_reason(device)
         if why is None and dtype is not None:
             why = self.dtype_reason(dtype)
+        missing = sorted(needs - self.statistics)
+        if why is None and missing:
+            why = f"it does not compute {', '.join(missing)}"
         return why
 
 
@@ -100,12 +114,14 @@ def _lookup(key: str) -> Backend:
 
 
 def resolve_backend(
-    requested: str, device: torch.device, dtype: torch.dtype | None = None
+    requested: str, device: torch.device, dtype: torch.dtype | None = None,
+    needs: frozenset[str] = frozenset(),
 ) -> Backend:
     """The backend to run for `backend=requested` on `device` with `hidden` of `dtype`.
 
     "auto" takes the first of `_AUTO_ORDER` that imports and can run here; "triton" on
-    CUDA when Triton is installed, else "torch".
+    CUDA when Triton is installed, else "torch". `needs`: the optional statistics the call
+    asks for (`OPTIONAL_STATISTICS`); "auto" passes over a backend that lacks one.
 
     Raises:
         ValueError: `requested` names no backend.
@@ -121,11 +137,11 @@ def resolve_backend(
                 backend = _lookup(key)
             except BackendUnavailableError:  # e.g. Triton not installed: try the next
                 continue
-            if backend.reason(device, dtype) is None:
+            if backend.reason(device, dtype, needs) is None:
                 return backend
         raise BackendUnavailableError(f"no backend of {_AUTO_ORDER} can run on {device}")
     backend = _lookup(requested)
-    reason = backend.reason(device, dtype)
+    reason = backend.reason(device, dtype, needs)
     if reason is not None:
         raise BackendUnavailableError(
             f"backend {requested!r} cannot run on {device}: {reason}. "

@@ -106,7 +106,9 @@ class FusedAlignTrainer(Trainer):
                        **stats: Any) -> TokenLogProbs:
         """The one way a trainer gets log-probs: fused or not, never by reading weights.
 
-        `targets` [B, T] are already shifted (`targets[:, t]` is predicted at position t).
+        `targets` [B, T] are already shifted (`targets[:, t]` is predicted at position t); `stats`
+        are `fusedalign.head.token_logprobs`' keywords (entropy, logit_mean, argmax, log_sum_sq_probs,
+        row_loss, ...), passed on unchanged.
         """
         return token_logprobs(model, inputs, targets=targets, fused=self.args.fused_head,
                               temperature=getattr(self.args, "temperature", 1.0), **stats)

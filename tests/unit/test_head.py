@@ -46,7 +46,8 @@ def _grads(model):
 
 def _run(model, inputs, labels, fused, upstream):
     model.zero_grad(set_to_none=True)
-    out = token_logprobs(model, inputs, targets=labels, fused=fused, entropy=True, logit_mean=True, argmax=True)
+    out = token_logprobs(model, inputs, targets=labels, fused=fused, entropy=True, logit_mean=True, argmax=True,
+                         log_sum_sq_probs=True)
     (out.logps * upstream).sum().backward()
     return out, _grads(model)
 
@@ -61,6 +62,8 @@ def test_fused_equals_unfused_values_stats_and_every_gradient(name):
     torch.testing.assert_close(got.logps, ref.logps, rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(got.entropy, ref.entropy, rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(got.logit_mean, ref.logit_mean, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(got.log_sum_sq_probs, ref.log_sum_sq_probs, rtol=1e-9, atol=1e-9)
+    assert (got.log_sum_sq_probs[labels == -100] == 0).all() and (got.log_sum_sq_probs[labels != -100] < 0).all()
     assert torch.equal(got.argmax_match, ref.argmax_match)
     assert (got.logps[labels == -100] == 0).all() and (got.logps <= 0).all()
     assert set(got_grads) == set(ref_grads) and len(ref_grads) == len(list(model.parameters()))
