@@ -103,7 +103,6 @@ ABSENT: dict[str, Absent] = {
     "activation_offloading": Absent(("false",), "offloading activations to the CPU " + _NOT_BUILT
                                     + "; --gradient_checkpointing saves activation memory"),
     # DPOConfig, KTOConfig
-    "use_weighting": Absent(("false",), "WPO's weighting of the pairs " + _NOT_BUILT),
     "precompute_ref_batch_size": Absent(("none", "null"), "--precompute_ref_log_probs runs the reference over "
                                         "batches of --per_device_eval_batch_size rows; set that instead"),
 }
@@ -120,7 +119,7 @@ _SCRIPT = ("dataset_streaming", "ignore_bias_buffers", "datasets", "streaming", 
 _EVERY = _SCRIPT + ("pad_to_multiple_of", "router_aux_loss_coef")
 _SFT = ("dataset_text_field", "loss_type", "packing_strategy", "shuffle_dataset", "eos_token", "pad_token",
         "chat_template_path", "dataset_kwargs", "activation_offloading")
-_DPO = ("use_weighting", "precompute_ref_batch_size", "activation_offloading", "pad_token")
+_DPO = ("precompute_ref_batch_size", "activation_offloading", "pad_token")
 _GRPO = _EVERY + _REFERENCE_SYNC + _GENERATION_FIELDS + (
     "cast_lm_head_to_fp32", "use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta",
     "entropy_target", "off_policy_mask_threshold", "max_tool_calling_iterations", "log_multimodal",

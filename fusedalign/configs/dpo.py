@@ -66,6 +66,13 @@ class DPOConfig(FusedAlignConfig):
         default=0.5,
         metadata={"help": "alpha of f_divergence_type alpha_divergence (1.0: its limit, the reverse KL)."},
     )
+    use_weighting: bool = field(
+        default=False,
+        metadata={"help": "WPO: multiply each pair's loss by w(chosen) * w(rejected), w(y) = exp of the mean over "
+                  "y's completion tokens of log p(token) - log sum_v p_v^2 under the policy, without gradient "
+                  "(TRL 1.16's use_weighting). Not with aot, aot_pair, aot_unpaired (they sort the pairs); the "
+                  "loss-aware head stays off (the weights come from the same forward)."},
+    )
     bco_running_mean: bool = field(
         default=False,
         metadata={"help": "bco_pair only: shift the rewards by the running mean of every reward seen, this batch "
@@ -91,7 +98,8 @@ class DPOConfig(FusedAlignConfig):
         metadata={"help": "With the fused head, form the head's gradient in its forward from the DPO loss (the "
                   "reference runs first): three logits GEMMs instead of four, at the cost of one pair's logits "
                   "(a block of whole pairs) held during the head's forward. Every loss type but aot, aot_pair "
-                  "(and bco_pair with bco_running_mean). Same result; false runs the per-token op."},
+                  "(and bco_pair with bco_running_mean), and not with use_weighting. Same result; false runs the "
+                  "per-token op."},
     )
     padding_free: bool = field(
         default=False,
@@ -119,7 +127,7 @@ class DPOConfig(FusedAlignConfig):
         # Every DPO option is validated here, once, before any model loads.
         self.loss_plan = check_dpo_args(
             self.loss_type, beta=self.beta, label_smoothing=self.label_smoothing, loss_weights=self.loss_weights,
-            f_divergence_type=self.f_divergence_type,
+            f_divergence_type=self.f_divergence_type, use_weighting=self.use_weighting,
         )
         if self.ld_alpha is not None and not 0.0 <= self.ld_alpha <= 1.0:
             raise ValueError(f"ld_alpha must lie in [0, 1] (the weight of the tokens past the shorter completion) "

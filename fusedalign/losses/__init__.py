@@ -11,6 +11,7 @@ from .dpo import DPO_LOSSES, DPOLossOutput, check_dpo_args, dpo_losses, pair_los
 from .dpo_batch import dpo_batch_loss, pair_loss_gradient, valid_pairs
 from .dpo_fdiv import F_DIVERGENCE_LOSS_TYPES, F_DIVERGENCES
 from .dpo_length import WeightedSums, ld_weighted
+from .dpo_weighting import wpo_weights
 from .dpo_metrics import DPOMetrics, RewardMean, RunningRewardMean, bco_reward_mean, dpo_metrics
 from .dpo_types import DPOOptions, PairLogps
 from .distillation import DistillationMetrics, distillation_batch_loss, distillation_loss
@@ -37,7 +38,7 @@ __all__ = [
     "KTOMetrics", "KTOOptions", "PairLogps", "WeightedSums", "F_DIVERGENCES", "F_DIVERGENCE_LOSS_TYPES", "RewardMean", "RunningRewardMean", "SFTMetrics", "bco_reward_mean",
     "check_dpo_args", "check_kto_args", "dpo_batch_loss", "dpo_losses", "dpo_metrics", "kl_estimate",
     "kl_from_sums", "kl_sums", "kto_batch_loss", "kto_losses", "kto_metrics", "ld_weighted", "pair_loss_gradient", "pair_losses",
-    "pairwise_dpo_losses", "sft_batch_loss", "sft_loss", "sft_metrics", "valid_pairs",
+    "pairwise_dpo_losses", "sft_batch_loss", "sft_loss", "sft_metrics", "valid_pairs", "wpo_weights",
     # distillation
     "DistillationMetrics", "distillation_batch_loss", "distillation_loss",
     # GRPO

@@ -64,6 +64,7 @@ def check_dpo_args(
     label_smoothing: float = 0.0,
     loss_weights: Sequence[float] | None = None,
     f_divergence_type: str = "reverse_kl",
+    use_weighting: bool = False,
 ) -> list[tuple[str, float]]:
     """Validates the DPO options (call it from config checks, before training starts).
 
@@ -98,6 +99,11 @@ def check_dpo_args(
             "loss_type='exo_pair' needs label_smoothing > 0 (the EXO paper uses 1e-3)."
         )
     check_f_divergence(types, f_divergence_type)
+    sorting = sorted(BATCH_COUPLED_LOSSES.intersection(types))
+    if use_weighting and sorting:
+        raise ValueError(f"use_weighting=True (WPO) weighs each pair's loss by that pair's weight; loss_type {sorting} "
+                         "sorts the pairs across the batch, which would misalign them: use another loss type, or "
+                         "use_weighting=False.")
     return list(zip(types, weights))
 
 

@@ -3,7 +3,8 @@
 The trainer's step: policy and reference sequence log-probs of 2B rows (rows `[:B]`
 chosen, `[B:]` rejected) in, `(sum of the valid pairs' losses, DPOMetrics)` out; the
 trainer's base divides by the valid pairs of the whole optimizer step. Under LD-DPO
-(`ld_alpha`) the policy's come as the 4B part sums of `dpo_length`, weighted here.
+(`ld_alpha`) the policy's come as the 4B part sums of `dpo_length`, weighted here; under WPO
+(`use_weighting`) each pair's loss is multiplied by its weight (`dpo_weighting`).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def dpo_batch_loss(
     entropy_sums: Tensor | None = None,
     correct: Tensor | None = None,
     ld_alpha: float | None = None,
+    pair_weights: Tensor | None = None,
 ) -> tuple[Tensor, DPOMetrics]:
     """The sum over valid pairs of the DPO losses, and the batch's metrics.
 
@@ -63,6 +65,8 @@ def dpo_batch_loss(
         correct: [2B] per-row completion tokens whose argmax is the label (the chosen rows'
             give `mean_token_accuracy`).
         ld_alpha: LD-DPO's weight of the tokens past each pair's shared length; None: none.
+        pair_weights: [B] WPO's weight of each pair's loss (`dpo_weighting.wpo_weights`), detached;
+            None: 1.
 
     Returns:
         The loss sum (pairs with nothing to score contribute zero but stay in the graph)
@@ -71,7 +75,8 @@ def dpo_batch_loss(
     pairs = split_pairs(policy, reference.to(policy.dtype), lengths, ld_alpha)
     result: DPOLossOutput = pair_losses(pairs, plan, opts)
     valid = valid_pairs(lengths)
-    loss_sum = (result.losses * valid.to(result.losses.dtype)).sum()
+    losses = result.losses if pair_weights is None else result.losses * pair_weights.to(result.losses.dtype)
+    loss_sum = (losses * valid.to(losses.dtype)).sum()
     half = lengths.shape[0] // 2
     seq = torch.cat([pairs.chosen, pairs.rejected]).detach()  # [2B] the sums scored (weighted under LD-DPO)
     extra = dict(chosen_tokens=lengths[:half], rejected_tokens=lengths[half:], entropy_sums=entropy_sums,

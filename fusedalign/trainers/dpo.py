@@ -8,7 +8,9 @@ policy forward: with the reference known, the policy's head can form its gradien
 own forward (the loss-aware head). Either way the trainer sees per-sequence sums `[2B]`, or
 under LD-DPO (`ld_alpha`) each sequence's sums within and past its pair's shared length `[4B]`
 (`data/shared_length.py`), which the loss weighs: plain sums, so the loss-aware head still
-declares its loss, and the reference's are weighted by the same cut.
+declares its loss, and the reference's are weighted by the same cut. Under WPO (`use_weighting`)
+each pair's loss is weighed by statistics of the policy's own forward (`losses/dpo_weighting.py`),
+so that loss is not known before the forward: the per-token op runs, then the loss.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from fusedalign.losses import (
     pair_loss_gradient,
     pairwise_dpo_losses,
     valid_pairs,
+    wpo_weights,
 )
 from fusedalign.losses.dpo_metrics import DPOMetrics
 from fusedalign.trainers.policy import load_policy
@@ -166,8 +169,8 @@ class DPOTrainer(PreferenceTrainer):
         if self._loss_aware(mode):
             grad = pair_loss_gradient(ref, lengths, args.loss_plan, opts, alpha)
             row_loss = rows.row_loss(grad) if split is None else split.row_loss(grad)
-        out = self.token_logprobs(model, rows.model_inputs(model), labels, logit_mean=True,
-                                  entropy=True, argmax=True, row_loss=row_loss)
+        out = self.token_logprobs(model, rows.model_inputs(model), labels, logit_mean=True, entropy=True,
+                                  argmax=True, log_sum_sq_probs=args.use_weighting, row_loss=row_loss)
         # Summed in fp64 (then rounded once): the loss-aware head sums the same log-probs the
         # same way, so the loss it predicts is the loss computed here.
         seq = rows.sums(out.logps) if split is None else split.sums(out.logps)  # [2B], or [4B] parts (LD-DPO)
@@ -176,17 +179,22 @@ class DPOTrainer(PreferenceTrainer):
             scored = seq if split is None else ld_weighted(seq, alpha).weighted
             self._update_bco_shift(args.beta * (scored.detach() - ref.to(seq.dtype)))
             opts = args.loss_options(self.bco_shift.delta, sft_divisor)
+        # WPO: every scored token counts once, whatever LD-DPO weighs (as TRL's weights).
+        weights = wpo_weights(rows.sums(out.logps.detach() - out.log_sum_sq_probs), lengths) \
+            if args.use_weighting else None
         # The metrics TRL logs, from the head's own pass (0 on positions without a label).
         return dpo_batch_loss(seq, ref, lengths, args.loss_plan, opts, logit_sums=rows.sums(out.logit_mean),
-                              entropy_sums=rows.sums(out.entropy), correct=rows.sums(out.argmax_match), ld_alpha=alpha)
+                              entropy_sums=rows.sums(out.entropy), correct=rows.sums(out.argmax_match), ld_alpha=alpha,
+                              pair_weights=weights)
 
     def _loss_aware(self, mode: str) -> bool:
         """Whether the policy's head may form its gradient in the forward: fused, training,
         and every loss type a function of its own pair alone (not aot's batch sort, not
-        bco_pair's optional running mean, which is updated from this very batch)."""
+        bco_pair's optional running mean, which is updated from this very batch), known before
+        the forward (not WPO's, weighed by that forward's own statistics)."""
         args = self.args
         return (args.fused_head and args.loss_aware_head and mode == "train" and torch.is_grad_enabled()
-                and pairwise_dpo_losses(args.loss_type, args.bco_running_mean))
+                and pairwise_dpo_losses(args.loss_type, args.bco_running_mean) and not args.use_weighting)
 
     def _update_bco_shift(self, rewards: torch.Tensor) -> None:
         half = rewards.shape[0] // 2

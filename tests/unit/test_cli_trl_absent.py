@@ -87,7 +87,7 @@ SCRIPT_FIELDS = {"dataset_streaming", "ignore_bias_buffers", "datasets", "stream
 CONFIG_FIELDS = {
     "sft": {"dataset_text_field", "loss_type", "packing_strategy", "shuffle_dataset", "eos_token", "pad_token",
             "chat_template_path", "dataset_kwargs", "activation_offloading"},
-    "dpo": {"use_weighting", "precompute_ref_batch_size", "activation_offloading", "pad_token"},
+    "dpo": {"precompute_ref_batch_size", "activation_offloading", "pad_token"},
     "kto": {"precompute_ref_batch_size", "activation_offloading"},
 }
 
@@ -102,7 +102,7 @@ def test_trl_script_and_config_fields_are_in_the_table(command):
 @pytest.mark.parametrize("command,flags", [
     ("sft", ["--dataset_text_field", "text", "--loss_type", "chunked_nll", "--packing_strategy", "bfd",
              "--shuffle_dataset", "false", "--eos_token", "None", "--dataset_kwargs", "{}"]),
-    ("dpo", ["--use_weighting", "false", "--precompute_ref_batch_size", "None"]),
+    ("dpo", ["--activation_offloading", "false", "--precompute_ref_batch_size", "None"]),
     ("kto", ["--activation_offloading", "false", "--load_in_4bit", "false", "--bnb_4bit_quant_type", "nf4"]),
 ])
 def test_a_trl_command_line_at_its_defaults_runs_as_without_them(command, flags):
@@ -155,3 +155,21 @@ def test_ld_dpo_and_f_dpo_are_dpo_flags_that_train(tmp_path):
     out = tmp_path / "run"
     assert main(["dpo", *flags[:4], "--max_steps", "2", "--eval_strategy", "no", "--output_dir", str(out)]) == 0
     assert (out / "model.safetensors").is_file()
+
+
+def test_wpo_use_weighting_is_a_dpo_flag_that_trains(tmp_path, capsys):
+    """WPO's field is DPOConfig's own (TRL 1.16's name and default, False), taken by `fusedalign dpo`
+    and trained with, not refused here; with a loss type that sorts the pairs it is refused, exit 2."""
+    assert "use_weighting" in _known("dpo") and "use_weighting" not in ABSENT
+    _, args, *_ = parse("dpo", dataclass_types("dpo"), ["--use_weighting", "true", "--output_dir", str(tmp_path)],
+                        announce=False)
+    assert args.use_weighting is True
+    _, default, *_ = parse("dpo", dataclass_types("dpo"), ["--output_dir", str(tmp_path)], announce=False)
+    assert default.use_weighting is False
+    out = tmp_path / "run"
+    assert main(["dpo", "--use_weighting", "true", "--max_steps", "2", "--eval_strategy", "no",
+                 "--output_dir", str(out)]) == 0
+    assert (out / "model.safetensors").is_file()
+    capsys.readouterr()
+    assert main(["dpo", "--use_weighting", "true", "--loss_type", "aot", "--output_dir", str(tmp_path / "aot")]) == 2
+    assert "use_weighting=True (WPO)" in capsys.readouterr().err
