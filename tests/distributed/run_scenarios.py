@@ -87,6 +87,7 @@ def build_trainer(spec: dict, out_dir: str):
             **common, beta=spec.get("beta", 0.5), loss_type=spec.get("loss_type", ["sigmoid"]),
             max_prompt_length=32, precompute_ref_log_probs=spec.get("precompute", False), **_packed(spec),
             ld_alpha=spec.get("ld_alpha"), f_divergence_type=spec.get("f_divergence_type", "reverse_kl"),
+            use_weighting=spec.get("use_weighting", False),
         )
         config = spec.get("dataset_config", "standard_preference")
         trainer_cls = DPOTrainer

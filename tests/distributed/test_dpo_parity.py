@@ -7,7 +7,8 @@ and must reproduce the per-step losses, evaluation metrics and final weights of 
 single-process unfused baseline to 1e-5 relative: padded rows, and padding-free rows with
 the prompt computed once (`padding_free`, `share_prompt`), also by token budget; and LD-DPO
 with an f-divergence (`ld_alpha` 0.5, `js_divergence`), padded and packed, which cut each
-sequence at its pair's shared length inside each rank's micro-batch.
+sequence at its pair's shared length inside each rank's micro-batch; and WPO's pair weights
+(`use_weighting`), from each sequence's own tokens, padded and packed.
 """
 
 from __future__ import annotations
@@ -57,6 +58,11 @@ LD = {**DPO, "ld_alpha": 0.5, "f_divergence_type": "js_divergence"}
 BASELINE.append({**LD, "name": "ld", "fused": False, "per_device_batch": 4})
 _ld = [({**LD, "name": "ld_fused", "fused": True, "per_device_batch": 2}, "ld"),
        ({**LD, **PACKED, "name": "ld_packed_fused", "fused": True, "per_device_batch": 2}, "ld")]
+# WPO: each pair's loss weighted by its sequences' mean of log p - log sum p^2 (the policy's own).
+WPO = {**DPO, "use_weighting": True}
+BASELINE.append({**WPO, "name": "wpo", "fused": False, "per_device_batch": 4})
+_wpo = [({**WPO, "name": "wpo_fused", "fused": True, "per_device_batch": 2}, "wpo"),
+        ({**WPO, **PACKED, "name": "wpo_packed_fused", "fused": True, "per_device_batch": 2}, "wpo")]
 # Per backend: (scenario spec, baseline it must equal). 2 processes x 2 pairs per step.
 _common = [
     ({**DPO, "name": "fused", "fused": True, "per_device_batch": 2, "evaluate": True}, "qwen2"),
@@ -71,12 +77,12 @@ BUDGET = {**DPO, **PACKED, "name": "budget", "fused": True, "per_device_batch": 
 # torch.compile'd decoder layers (refused under ZeRO-3, see test_backbone.py).
 _compiled = ({**DPO, "name": "compiled", "fused": True, "per_device_batch": 2, "compile": True}, "qwen2")
 SCENARIOS: dict[str, list[tuple[dict, str]]] = {
-    "ddp": _common + _ld + [_compiled, (BUDGET, "rows8"), ({**ODD_EVAL, "per_device_batch": 2}, None)],
+    "ddp": _common + _ld + _wpo + [_compiled, (BUDGET, "rows8"), ({**ODD_EVAL, "per_device_batch": 2}, None)],
     "zero2": _common + [
         ({**DPO, "name": "compiled_checkpointed", "fused": True, "per_device_batch": 2, "compile": True,
           "gradient_checkpointing": True}, "qwen2"),
     ],
-    "zero3": _common + _ld + [
+    "zero3": _common + _ld + _wpo + [
         ({**DPO, "name": "tied", "fused": True, "per_device_batch": 2, "model": "builtin:tiny-llama"}, "llama"),
         ({**DPO, "name": "lora", "fused": True, "per_device_batch": 2, "peft": True}, "lora"),
         ({**DPO, "name": "precompute", "fused": True, "per_device_batch": 2, "precompute": True, "evaluate": True}, "qwen2"),
@@ -108,6 +114,13 @@ def test_the_ld_baseline_is_not_plain_dpo(runs):
     single = runs(None)
     ld, plain = result(single, "ld")["losses"], result(single, "qwen2")["losses"]
     assert len(ld) == len(plain) == 3 and all(abs(a - b) > 1e-3 for a, b in zip(ld[1:], plain[1:])), (ld, plain)
+
+
+def test_the_wpo_baseline_is_not_plain_dpo(runs):
+    """WPO's weights (below 1) change every step's loss, the first one's included."""
+    single = runs(None)
+    wpo, plain = result(single, "wpo")["losses"], result(single, "qwen2")["losses"]
+    assert len(wpo) == len(plain) == 3 and all(abs(a - b) > 1e-4 for a, b in zip(wpo, plain)), (wpo, plain)
 
 
 # One process, each against the baseline it must reproduce: gradient accumulation 2x2 =
