@@ -99,6 +99,7 @@ def load_splits(command: str, script: Any, args: Any) -> tuple[Any, Any]:
     from fusedalign.data.builtin import is_single_file, located_error
     from fusedalign.data.formats import DataError, validate_dataset
     from fusedalign.data.splits import is_tokenised
+    from fusedalign.data.text_field import with_text_field
 
     if script.dataset_name is None:
         raise CLIError("--dataset_name is required with --model_name_or_path (e.g. builtin:zen or a local file).")
@@ -114,7 +115,9 @@ def load_splits(command: str, script: Any, args: Any) -> tuple[Any, Any]:
         dataset = load_dataset_any(script.dataset_name, script.dataset_config, split=split)
         try:
             if not is_tokenised(dataset, command):  # token-id columns are the trainer's to check
-                validate_dataset(dataset, _expected_kinds(command, args))
+                # SFT reads its text column as `text` (the trainer renames it again, from the original).
+                shown = with_text_field(dataset, args.dataset_text_field) if command == "sft" else dataset
+                validate_dataset(shown, _expected_kinds(command, args))
         except DataError as err:
             raise located_error(err, script.dataset_name, split) from None
         loaded.append(dataset)

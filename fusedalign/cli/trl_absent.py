@@ -81,8 +81,6 @@ ABSENT: dict[str, Absent] = {
                                      "target_parameters) " + _NOT_BUILT + "; --lora_target_modules names the "
                                      "modules to adapt"),
     # SFTConfig
-    "dataset_text_field": Absent(("text",), "fusedalign reads language-modeling text from the column text (TRL's "
-                                 "default) or messages; rename the column to text"),
     "loss_type": Absent(("nll", "chunked_nll"), "the DFT loss " + _NOT_BUILT + "; SFT's loss is the token mean "
                         "of the negative log-likelihood (TRL's default, nll; chunked_nll is its deprecated alias)"),
     "packing_strategy": Absent(("bfd",), "--packing packs best-fit decreasing, each sequence truncated to "
@@ -117,7 +115,7 @@ _SCRIPT = ("dataset_streaming", "ignore_bias_buffers", "datasets", "streaming", 
            "load_in_8bit", "bnb_4bit_quant_type", "use_bnb_nested_quant", "bnb_4bit_quant_storage",
            "lora_target_parameters")
 _EVERY = _SCRIPT + ("pad_to_multiple_of", "router_aux_loss_coef")
-_SFT = ("dataset_text_field", "loss_type", "packing_strategy", "shuffle_dataset", "eos_token", "pad_token",
+_SFT = ("loss_type", "packing_strategy", "shuffle_dataset", "eos_token", "pad_token",
         "chat_template_path", "dataset_kwargs", "activation_offloading")
 _DPO = ("precompute_ref_batch_size", "activation_offloading", "pad_token")
 _GRPO = _EVERY + _REFERENCE_SYNC + _GENERATION_FIELDS + (

@@ -13,6 +13,11 @@ class SFTConfig(FusedAlignConfig):
 
     output_dir: str | None = field(default="outputs/sft")
     learning_rate: float = field(default=2e-5)
+    dataset_text_field: str = field(
+        default="text",
+        metadata={"help": "The column that holds a language-modeling dataset's text (TRL's default, text); "
+                  "conversational data (messages) has none."},
+    )
     completion_only_loss: bool | None = field(
         default=None,
         metadata={"help": "Learn the completion tokens only (True: prompt-completion data only) or every token "

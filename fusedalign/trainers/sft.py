@@ -20,6 +20,7 @@ from fusedalign.attention import check_packed_attention
 from fusedalign.configs import SFTConfig
 from fusedalign.data import DataError, SFTCollator, pack_dataset, position_labels
 from fusedalign.data.splits import prepare_split
+from fusedalign.data.text_field import with_text_field
 from fusedalign.head import IGNORE_INDEX
 from fusedalign.losses import SFTMetrics, sft_batch_loss
 from fusedalign.trainers.base import FusedAlignTrainer
@@ -72,7 +73,8 @@ class SFTTrainer(FusedAlignTrainer):
     def _prepare_split(dataset: Dataset | None, tokenizer: Any, args: SFTConfig, split: str) -> Dataset | None:
         """Tokenises (reporting truncation), checks there is something to learn, packs."""
         dataset = prepare_split(
-            "sft", dataset, tokenizer, split, completion_only_loss=args.completion_only_loss,
+            "sft", with_text_field(dataset, args.dataset_text_field), tokenizer, split,
+            completion_only_loss=args.completion_only_loss,
             assistant_only_loss=args.assistant_only_loss, max_length=args.max_length,
             truncation_mode=args.truncation_mode,
         )

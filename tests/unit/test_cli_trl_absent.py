@@ -85,7 +85,7 @@ SCRIPT_FIELDS = {"dataset_streaming", "ignore_bias_buffers", "datasets", "stream
                  "load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type", "use_bnb_nested_quant",
                  "bnb_4bit_quant_storage", "lora_target_parameters"}
 CONFIG_FIELDS = {
-    "sft": {"dataset_text_field", "loss_type", "packing_strategy", "shuffle_dataset", "eos_token", "pad_token",
+    "sft": {"loss_type", "packing_strategy", "shuffle_dataset", "eos_token", "pad_token",
             "chat_template_path", "dataset_kwargs", "activation_offloading"},
     "dpo": {"precompute_ref_batch_size", "activation_offloading", "pad_token"},
     "kto": {"precompute_ref_batch_size", "activation_offloading"},
