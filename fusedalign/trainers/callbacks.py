@@ -18,10 +18,11 @@ import os
 
 from transformers import TrainerCallback
 
+from fusedalign.trainers.grpo_completions import FILE as COMPLETIONS_FILE  # --log_completions' file
+
 logger = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
-COMPLETIONS_FILE = "completions.jsonl"  # fusedalign.trainers.grpo_completions.FILE
 STEP_LOGS = (METRICS_FILE, COMPLETIONS_FILE)  # JSON lines, each record with its `step`
 
 

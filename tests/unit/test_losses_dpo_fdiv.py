@@ -8,15 +8,9 @@ import torch
 
 from fusedalign.configs import DPOConfig
 from fusedalign.losses import F_DIVERGENCE_LOSS_TYPES, check_dpo_args, dpo_losses
-
-# Log-ratios of both signs and of a few units, so that every score function bends.
-C = [-3.0, -5.2, -1.1]  # policy chosen
-R = [-4.0, -3.9, -7.5]  # policy rejected
-RC = [-3.5, -4.8, -6.0]  # reference chosen
-RR = [-4.2, -6.1, -5.0]  # reference rejected
-LC = [3, 5, 2]  # chosen completion tokens
-LR = [4, 2, 7]  # rejected completion tokens
-BETA, EPS, TAU = 0.5, 0.1, 0.5
+# The three pairs of the DPO loss tests: log-ratios of both signs and of a few units, so that
+# every score function bends.
+from tests.unit.test_losses_dpo import BETA, EPS, LC, LR, RC, RR, TAU, C, R
 
 
 def logsig(x):
