@@ -33,18 +33,9 @@ from .preference_batches import (
     sequence_logps,
 )
 from .samplers import LengthGroupedSampler, TokenBudgetBatchSampler
-from .tokenize import (
-    TokenizeStats,
-    extract_prompt,
-    prepare_dpo_dataset,
-    prepare_kto_dataset,
-    prepare_sft_dataset,
-    tokenize_dpo_row,
-    tokenize_kto_row,
-    tokenize_prompt_row,
-    tokenize_sft_row,
-    truncate_pair,
-)
+from .token_ids import extract_prompt, truncate_pair
+from .tokenize import TokenizeStats, prepare_dpo_dataset, prepare_kto_dataset, prepare_sft_dataset
+from .tokenize_rows import tokenize_dpo_row, tokenize_kto_row, tokenize_prompt_row, tokenize_sft_row
 
 __all__ = [
     "DPOCollator", "DataError", "DataFormat", "KIND_COLUMNS", "KTOCollator", "LengthGroupedSampler",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .formats import detect_format
-from .tokenize import extract_prompt
+from .token_ids import extract_prompt
 
 
 def unpair_preference_dataset(dataset: Any):

@@ -16,7 +16,8 @@ from typing import Any, Mapping
 from fusedalign.rewards.api import RESERVED
 
 from .formats import DataError, DataFormat, validate_dataset
-from .tokenize import TokenizeStats, tokenize_prompt_row
+from .tokenize import TokenizeStats
+from .tokenize_rows import tokenize_prompt_row
 
 PROMPT_KINDS = ("prompt_only", "prompt_completion")
 

@@ -12,7 +12,8 @@ import logging
 from typing import Any
 
 from .formats import DataError
-from .tokenize import prepare_dpo_dataset, prepare_kto_dataset, prepare_sft_dataset, truncate_pair
+from .token_ids import truncate_pair
+from .tokenize import prepare_dpo_dataset, prepare_kto_dataset, prepare_sft_dataset
 
 logger = logging.getLogger(__name__)
 
