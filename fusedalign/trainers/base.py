@@ -21,8 +21,8 @@ nothing of the training loop, the backend or the logging:
 
 A prepared micro-batch may be a `MicroBatchParts` (a token budget below its tokens): the
 base then runs one forward and backward per part, deferring the gradient synchronisation to
-the last (`training_step`): `loss_and_metrics` sees one part at a time, `count_items` the
-whole micro-batch.
+the last (`training_step`, `trainers/part_steps.py`): `loss_and_metrics` sees one part at a
+time, `count_items` the whole micro-batch.
 
 The base divides `loss_sum` by the number of units in the whole optimizer step over all
 ranks, so the update does not depend on how a global batch is split across ranks and
@@ -33,16 +33,15 @@ resume) and the state of any component registered with `checkpointed(name, obj)`
 object with `state_dict()`/`load_state_dict()`), written into every checkpoint and read
 back on resume; `checkpointed(name, obj, per_rank=True)` keeps one state per rank (a
 rank's GRPO generation window: its completions and the log-probs computed for them).
+The logging and its counters are in `trainers/step_logging.py`, the checkpointed state in
+`trainers/resume_state.py`: mixins of this class, which creates their state.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 from typing import Any
 
 import torch
-from accelerate.utils import DistributedType
 from torch import nn
 from transformers import Trainer
 
@@ -51,6 +50,8 @@ from fusedalign.head import TokenLogProbs, token_logprobs
 from fusedalign.metrics import Metrics, MetricsRecorder
 from fusedalign.trainers.callbacks import MetricsJSONLCallback
 from fusedalign.trainers.component_states import RANK_STATE_FILE, STATE_FILE, CheckpointError, ComponentStates
+from fusedalign.trainers.part_steps import PartSteps
+from fusedalign.trainers.resume_state import ResumeState
 from fusedalign.trainers.step_batch import (
     PREPARED,
     MicroBatchParts,
@@ -59,6 +60,7 @@ from fusedalign.trainers.step_batch import (
     is_prepared,
     require_parts,
 )
+from fusedalign.trainers.step_logging import StepLogging
 
 # The seam's types are re-exported here, where trainers and tests import them from.
 
@@ -66,7 +68,7 @@ __all__ = ["CheckpointError", "FusedAlignTrainer", "MicroBatchParts", "MissingPa
            "RANK_STATE_FILE", "STATE_FILE", "StepBatch", "is_prepared", "require_parts"]
 
 
-class FusedAlignTrainer(Trainer):
+class FusedAlignTrainer(StepLogging, ResumeState, PartSteps, Trainer):
     """Base of the fusedalign trainers (a `transformers.Trainer`); see the module docstring."""
 
     def __init__(self, *args: Any, **kwargs: Any):
@@ -92,14 +94,6 @@ class FusedAlignTrainer(Trainer):
     def loss_and_metrics(self, model: nn.Module, inputs: dict[str, Any], mode: str) -> tuple[torch.Tensor, Metrics]:
         raise NotImplementedError
 
-    def count_input_tokens(self, inputs: StepBatch | dict[str, Any]) -> torch.Tensor:
-        """Input tokens of a prepared micro-batch, padding excluded (TRL's `num_tokens`)."""
-        if isinstance(inputs, StepBatch):
-            return inputs.input_tokens()
-        if "attention_mask" in inputs:
-            return inputs["attention_mask"].sum()
-        return torch.as_tensor(inputs["input_ids"].numel(), device=inputs["input_ids"].device)
-
     # ---------------------------------------------------------------- shared helpers
 
     def token_logprobs(self, model: nn.Module, inputs: dict[str, torch.Tensor], targets: torch.Tensor,
@@ -112,16 +106,6 @@ class FusedAlignTrainer(Trainer):
         """
         return token_logprobs(model, inputs, targets=targets, fused=self.args.fused_head,
                               temperature=getattr(self.args, "temperature", 1.0), **stats)
-
-    def checkpointed(self, name: str, component: Any, per_rank: bool = False) -> Any:
-        """Registers a component whose `state_dict()` goes into every checkpoint (and returns it).
-
-        Shared components are written once (JSON); `per_rank` ones by every rank (torch.save,
-        tensors allowed), each read back by the same rank with `load_state_dict(state,
-        same_ranks=...)`, `same_ranks` False when another number of ranks wrote it (rank 0's
-        state is then given to every rank; the component refuses what it cannot resume).
-        """
-        return self._components.register(name, component, per_rank)
 
     # ---------------------------------------------------------------- the step
 
@@ -168,51 +152,6 @@ class FusedAlignTrainer(Trainer):
         self._tokens_pending = self._tokens_pending.to(total.device) + total[1]
         return batch_samples, total[0].float()
 
-    def floating_point_ops(self, inputs: StepBatch | dict[str, Any]) -> int:
-        """Trainer's count (`6 x tokens x non-embedding parameters`), for typed batches too."""
-        if isinstance(inputs, StepBatch) and hasattr(self.model, "num_parameters"):
-            return 6 * inputs.forward_tokens() * self.model.num_parameters(exclude_embeddings=True)
-        return super().floating_point_ops(inputs)
-
-    def _track_num_input_tokens(self, inputs):
-        """Counted per step in `get_batch_samples` instead (one reduction a step, no host sync)."""
-
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        """A micro-batch in parts (`MicroBatchParts`): one forward and backward per part, the
-        gradient synchronisation of the Trainer's last micro-batch deferred to the last part."""
-        if not isinstance(inputs, MicroBatchParts):
-            return super().training_step(model, inputs, num_items_in_batch)
-        last = len(inputs.parts) - 1
-        losses = []
-        for j, part in enumerate(inputs.parts):
-            with self._deferred_sync(model, j < last):
-                losses.append(super().training_step(model, part, num_items_in_batch))
-        return torch.stack(losses).sum()
-
-    @contextlib.contextmanager
-    def _deferred_sync(self, model: nn.Module, defer: bool):
-        """Within the Trainer's micro-batch that synchronises gradients, a backward that must not
-        yet: the context the Trainer gives its other micro-batches, and `sync_gradients` off (so
-        that accelerate runs DeepSpeed's backward without its boundary and optimizer step)."""
-        state = self.accelerator.gradient_state
-        if not defer or not state.sync_gradients:
-            yield  # the last part, or the Trainer's loop has already deferred this micro-batch
-            return
-        if (self.accelerator.distributed_type == DistributedType.DEEPSPEED
-                or state.plugin_kwargs.get("sync_each_batch", False)):
-            context = contextlib.nullcontext  # DeepSpeed: sync_gradients off defers; sync_each_batch: none does
-        elif getattr(self, "is_distributed_loading_by_transformers", False) and hasattr(
-                self, "_defer_fsdp_gradient_reduction"):
-            context = self._defer_fsdp_gradient_reduction  # a model transformers sharded at load time
-        else:
-            context = functools.partial(self.accelerator.no_sync, model=model)
-        state._set_sync_gradients(False)
-        try:
-            with context():
-                yield
-        finally:
-            state._set_sync_gradients(True)
-
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         mode = "train" if model.training else "eval"
         if not is_prepared(inputs):
@@ -245,59 +184,3 @@ class FusedAlignTrainer(Trainer):
         with torch.no_grad(), self.compute_loss_context_manager():
             loss = self.compute_loss(model, inputs)
         return loss.detach(), None, None
-
-    # ---------------------------------------------------------------- logging
-
-    @property
-    def num_input_tokens_seen(self) -> float:
-        """Input tokens trained on so far, all ranks (padding excluded); kept in the Trainer state."""
-        pending = float(self._tokens_pending)
-        if pending:
-            self.state.num_input_tokens_seen += pending
-            self._tokens_pending.zero_()
-        return self.state.num_input_tokens_seen
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        mode = "eval" if any(key.startswith("eval_") for key in logs) else "train"
-        steps = 1
-        if mode == "train":  # optimizer steps since the last training log
-            steps = self.state.global_step - getattr(self, "_fusedalign_last_logged", 0)
-            self._fusedalign_last_logged = self.state.global_step
-        prefix = "eval_" if mode == "eval" else ""
-        for name, value in self.metrics.read(mode, steps).items():
-            logs[prefix + name] = value
-        if mode == "train" and "loss" in logs:
-            logs["num_tokens"] = self.num_input_tokens_seen
-        elif mode == "eval":  # TRL logs the training count in evaluation too
-            logs["eval_num_tokens"] = self.num_input_tokens_seen
-        self.complete_logs(logs, mode)
-        super().log(logs, start_time)
-
-    def complete_logs(self, logs: dict[str, float], mode: str) -> None:
-        """Values a trainer logs as functions of the window's other values (none here)."""
-
-    # ---------------------------------------------------------------- checkpoints
-
-    def _save_checkpoint(self, model, trial) -> None:
-        _ = self.num_input_tokens_seen  # fold pending tokens into the state it saves
-        super()._save_checkpoint(model, trial)
-
-    def _save_rng_state(self, output_dir: str) -> None:
-        """Every rank passes here before `trainer_state.json` (whose presence marks a complete
-        checkpoint) is written: the components' states go in with the RNG states."""
-        super()._save_rng_state(output_dir)
-        self._components.save(output_dir, self.accelerator, self.args.should_save)
-
-    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        super()._load_optimizer_and_scheduler(checkpoint)
-        if checkpoint:
-            self._components.load(checkpoint, self.accelerator)
-        self._fusedalign_last_logged = self.state.global_step
-        self._rng_pending = checkpoint
-
-    def _load_rng_state(self, checkpoint: str | None) -> None:
-        """Restores the checkpoint's RNG states once, whichever of Trainer and `get_batch_samples`
-        (before the first resumed step's preparation) comes first."""
-        if checkpoint is not None and checkpoint == self._rng_pending:
-            super()._load_rng_state(checkpoint)
-            self._rng_pending = None
