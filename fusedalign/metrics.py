@@ -21,6 +21,7 @@ summed into buffers on the device, and read back to the host only when they are 
 
 from __future__ import annotations
 
+import fnmatch
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, fields
@@ -95,11 +96,15 @@ class MetricSet:
         derived: logged name -> function of the logged values (a dict), for values that
             are functions of other means (KTO's margin of two class means, say); computed
             when every value it reads was logged.
+        logged_when_empty: patterns (`fnmatch`) of names logged as None in a window where they
+            have no value (a statistic over nothing), where the peer logs the key with None;
+            other names are left out then.
     """
 
     derived: ClassVar[dict[str, Callable[[dict[str, float]], float]]] = {}
+    logged_when_empty: ClassVar[tuple[str, ...]] = ()
 
-    def logged(self) -> dict[str, float]:
+    def logged(self) -> dict[str, float | None]:
         """What logging these metrics alone, on one process, gives (tests, notebooks)."""
         return logged_values(self)
 
@@ -194,7 +199,7 @@ class MetricsRecorder:
         else:
             buffers[key] = _Buffer(tuple(kinds), reduced)
 
-    def read(self, mode: str, steps: int = 1) -> dict[str, float]:
+    def read(self, mode: str, steps: int = 1) -> dict[str, float | None]:
         """The logged values of the window of `mode` (read back to the host), then clears it.
 
         Args:
@@ -213,17 +218,18 @@ class MetricsRecorder:
                 else:
                     slot[attr] = value
         steps = max(steps, 1)
+        empty = [p for metric_type in self._types[mode] for p in metric_type.logged_when_empty]
         logs = {}
         for name, slot in raw.items():
             value = _logged_value(slot, steps)
-            if value is not None:
+            if value is not None or any(fnmatch.fnmatchcase(name, p) for p in empty):
                 logs[name] = value
         for metric_type in self._types[mode]:
             for name, fn in metric_type.derived.items():
                 try:
                     logs[name] = fn(logs)
-                except KeyError:
-                    pass  # a value it reads was not logged in this window
+                except (KeyError, TypeError):
+                    pass  # a value it reads was not logged (or logged as None) in this window
         self._buffers[mode].clear()
         self._types[mode].clear()
         return logs
@@ -295,7 +301,7 @@ class _OneProcess:
         return x
 
 
-def logged_values(*metric_sets: MetricSet, mode: str = "train", steps: int = 1) -> dict[str, float]:
+def logged_values(*metric_sets: MetricSet, mode: str = "train", steps: int = 1) -> dict[str, float | None]:
     """What one process would log for these metric sets, recorded one after another (tests, notebooks)."""
     recorder = MetricsRecorder(_OneProcess())
     for metric_set in metric_sets:

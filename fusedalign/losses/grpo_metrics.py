@@ -11,7 +11,7 @@ number of tokens, and the exact window value otherwise.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import ClassVar, Iterator
 
 import torch
 from torch import Tensor
@@ -92,8 +92,12 @@ class RewardMetrics(MetricSet):
     """Rewards of the completions on this rank (record each rank's own rows, never the gathered batch).
 
     Build with `RewardMetrics.of`. Logged: `reward`, `reward_std`, `frac_reward_zero_std`, and
-    `rewards/<function>/mean` and `/std` for each reward function (NaN rewards excluded).
+    `rewards/<function>/mean` and `/std` for each reward function (NaN rewards excluded). A
+    function that scored no completion of the logging window is logged as None, as TRL logs
+    it; so are `reward` and `reward_std` when none scored at all.
     """
+
+    logged_when_empty: ClassVar[tuple[str, ...]] = ("reward", "reward_std", "rewards/*")
 
     reward: Mean
     reward_std: Std

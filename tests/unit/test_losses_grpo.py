@@ -412,6 +412,29 @@ def test_reward_metrics_of_each_rank_add_up_to_the_batch():
     assert whole["frac_reward_zero_std"] == pytest.approx(float(adv.std_is_zero.float().mean()))
 
 
+def test_a_reward_function_that_scored_nothing_in_the_window_is_logged_as_none():
+    """TRL 1.16 logs the key with None when a function scored no completion of the window (its
+    NaN per generation batch filtered out at logging); a batch that did score gives the window
+    its mean over the scored completions alone."""
+    names = ["a", "b"]
+    unscored_b = torch.tensor([[1.0, NAN], [3.0, NAN], [0.0, NAN], [2.0, NAN]])
+    adv = group_advantages(unscored_b, torch.tensor([1.0, 1.0]), 2)
+    window = logged_values(RewardMetrics.of(unscored_b, adv.rewards, adv.std_is_zero, names))
+    assert window["rewards/b/mean"] is None and window["rewards/b/std"] is None
+    assert window["rewards/a/mean"] == pytest.approx(1.5) and window["reward"] == pytest.approx(1.5)
+    nothing = torch.full((4, 2), NAN)
+    none_adv = group_advantages(nothing, torch.tensor([1.0, 1.0]), 2)
+    empty = logged_values(RewardMetrics.of(nothing, none_adv.rewards, none_adv.std_is_zero, names))
+    assert {k: empty[k] for k in ("reward", "reward_std", "rewards/a/mean", "rewards/b/std")} == dict.fromkeys(
+        ("reward", "reward_std", "rewards/a/mean", "rewards/b/std"))
+    assert empty["frac_reward_zero_std"] == 0.0  # as TRL's: a NaN group's std is not close to 0
+    scored_later = torch.tensor([[1.0, 4.0], [3.0, NAN], [0.0, 2.0], [2.0, NAN]])
+    later = group_advantages(scored_later, torch.tensor([1.0, 1.0]), 2)
+    both = logged_values(RewardMetrics.of(unscored_b, adv.rewards, adv.std_is_zero, names),
+                         RewardMetrics.of(scored_later, later.rewards, later.std_is_zero, names))
+    assert both["rewards/b/mean"] == pytest.approx(3.0)
+
+
 def test_advantage_checks():
     with pytest.raises(ValueError, match="num_generations"):
         group_advantages(torch.zeros(6, 1), torch.ones(1), 4)
