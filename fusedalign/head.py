@@ -98,9 +98,8 @@ def logprobs_from_logits(
             ent = (-(logprobs.exp() * logprobs).sum(-1)).masked_fill(ignored, 0.0)
         mean = z.mean(-1).masked_fill(ignored, 0.0) if logit_mean else None
         match = (z.argmax(-1) == labels) & ~ignored if argmax else None
-        y = z / temperature
-        sum_sq = ((torch.logsumexp(2 * y, -1) - 2 * torch.logsumexp(y, -1)).masked_fill(ignored, 0.0)
-                  if log_sum_sq_probs else None)
+        # log sum_v p_v^2 = logsumexp(2 log p): from the log-probs already here, no other [B, T, V].
+        sum_sq = torch.logsumexp(2 * logprobs, -1).masked_fill(ignored, 0.0) if log_sum_sq_probs else None
     return TokenLogProbs(logps, ent, mean, match, log_sum_sq_probs=sum_sq)
 
 

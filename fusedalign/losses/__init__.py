@@ -34,11 +34,12 @@ from .kto_stats import KLSums, KTOMetrics, kl_estimate, kl_from_sums, kl_sums, k
 from .sft import SFTMetrics, sft_batch_loss, sft_loss, sft_metrics
 
 __all__ = [
-    "DPO_LOSSES", "DPOLossOutput", "DPOMetrics", "DPOOptions", "KLSums", "KTO_LOSSES", "KTOLossOutput",
-    "KTOMetrics", "KTOOptions", "PairLogps", "WeightedSums", "F_DIVERGENCES", "F_DIVERGENCE_LOSS_TYPES", "RewardMean", "RunningRewardMean", "SFTMetrics", "bco_reward_mean",
-    "check_dpo_args", "check_kto_args", "dpo_batch_loss", "dpo_losses", "dpo_metrics", "kl_estimate",
-    "kl_from_sums", "kl_sums", "kto_batch_loss", "kto_losses", "kto_metrics", "ld_weighted", "pair_loss_gradient", "pair_losses",
-    "pairwise_dpo_losses", "sft_batch_loss", "sft_loss", "sft_metrics", "valid_pairs", "wpo_weights",
+    "DPO_LOSSES", "DPOLossOutput", "DPOMetrics", "DPOOptions", "F_DIVERGENCES", "F_DIVERGENCE_LOSS_TYPES", "KLSums",
+    "KTO_LOSSES", "KTOLossOutput", "KTOMetrics", "KTOOptions", "PairLogps", "RewardMean", "RunningRewardMean",
+    "SFTMetrics", "WeightedSums", "bco_reward_mean", "check_dpo_args", "check_kto_args", "dpo_batch_loss",
+    "dpo_losses", "dpo_metrics", "kl_estimate", "kl_from_sums", "kl_sums", "kto_batch_loss", "kto_losses",
+    "kto_metrics", "ld_weighted", "pair_loss_gradient", "pair_losses", "pairwise_dpo_losses", "sft_batch_loss",
+    "sft_loss", "sft_metrics", "valid_pairs", "wpo_weights",
     # distillation
     "DistillationMetrics", "distillation_batch_loss", "distillation_loss",
     # GRPO

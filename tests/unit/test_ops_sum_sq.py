@@ -13,6 +13,7 @@ import dataclasses
 import pytest
 import torch
 
+from fusedalign.head import logprobs_from_logits
 from fusedalign.ops import BackendUnavailableError, HeadOutput, SequenceLoss, head_logprobs, registry
 from tests.unit.test_ops import ALL_CASES, grad_inputs, low_rank_of, make_problem, opts_of, rel_err, run_oracle
 
@@ -76,6 +77,19 @@ def test_a_flat_distribution_gives_minus_log_v_and_a_one_hot_zero():
     out = head_logprobs(hidden, weight, torch.tensor([3, 5]), log_sum_sq_probs=True, backend="torch")
     torch.testing.assert_close(out.log_sum_sq_probs, torch.tensor([-torch.log(torch.tensor(64.0)).item(), 0.0],
                                                                   dtype=torch.float64))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_unfused_path_computes_it_from_the_logits_as_the_definition(temperature):
+    """`head.logprobs_from_logits` (the unfused path every fused result is checked against)."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 23, dtype=torch.float64) * 3
+    labels = torch.randint(0, 23, (2, 5))
+    labels[0, :2] = -100
+    out = logprobs_from_logits(logits, labels, temperature=temperature, log_sum_sq_probs=True)
+    want = _want(logits.reshape(-1, 23), labels.reshape(-1), temperature).view(2, 5)
+    torch.testing.assert_close(out.log_sum_sq_probs, want, rtol=1e-12, atol=1e-12)
+    assert logprobs_from_logits(logits, labels, temperature=temperature).log_sum_sq_probs is None
 
 
 # --------------------------------------------------------------------------- dispatch
