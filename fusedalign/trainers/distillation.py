@@ -36,7 +36,8 @@ from fusedalign.losses.distillation import DistillationMetrics, distillation_bat
 from fusedalign.trainers.base import FusedAlignTrainer
 from fusedalign.trainers.distillation_batch import DistillationBatch, PackedDistillationBatch, distillation_batch
 from fusedalign.trainers.distillation_rollout import DistillationRollout
-from fusedalign.trainers.grpo import GRPOTrainer, _default_generator
+from fusedalign.trainers.grpo import GRPOTrainer
+from fusedalign.trainers.rollout_setup import default_generator
 from fusedalign.trainers.rollout_types import Split
 from fusedalign.trainers.policy import disable_dropout, load_policy
 from fusedalign.trainers.preference_inputs import check_models
@@ -91,7 +92,7 @@ class DistillationTrainer(GRPOTrainer):
         disable_dropout(teacher)  # the teacher's distribution is a target: never a dropout sample of it
         self.teacher_model = prepare_reference_model(teacher, self.accelerator)
         self.rollout = self.checkpointed("distillation_rollout", DistillationRollout(
-            args, generator if generator is not None else _default_generator(args, tokenizer), tokenizer,
+            args, generator if generator is not None else default_generator(args, tokenizer), tokenizer,
             self.accelerator, self.metrics, train_split, eval_split), per_rank=True)
 
     @property

@@ -18,13 +18,11 @@ from typing import Any, Callable, Sequence
 import torch
 from datasets import Dataset
 from torch import nn
-from torch.utils.data import DataLoader
 
 from fusedalign.configs import GRPOConfig
-from fusedalign.data.grpo import GenerationBatchSampler, collate_rows
+from fusedalign.data.grpo import collate_rows
 from fusedalign.data.grpo_packing import check_budget
 from fusedalign.data.prompts import prepare_prompt_dataset
-from fusedalign.generation import HFGenerate, KeyedSampler, Replay, StaticDecode
 from fusedalign.losses import (
     GRPOLossMetrics,
     count_items,
@@ -33,10 +31,12 @@ from fusedalign.losses import (
     grpo_loss,
     high_entropy_mask,
 )
-from fusedalign.rewards import RewardFunctions, load_reward_function, load_reward_functions
+from fusedalign.rewards import RewardFunctions
 from fusedalign.trainers.base import FusedAlignTrainer
+from fusedalign.trainers.generation_loaders import GenerationLoaders
 from fusedalign.trainers.grpo_batch import GRPOMicroBatch
 from fusedalign.trainers.grpo_rollout import GRPORollout
+from fusedalign.trainers.rollout_setup import default_generator, reward_callables
 from fusedalign.trainers.rollout_steps import RolloutSteps
 from fusedalign.trainers.rollout_types import GroupAdvantages, Split
 from fusedalign.trainers.policy import load_policy
@@ -44,7 +44,7 @@ from fusedalign.trainers.preference_inputs import check_models
 from fusedalign.trainers.reference import Reference, load_reference_model
 
 
-class GRPOTrainer(RolloutSteps, FusedAlignTrainer):
+class GRPOTrainer(RolloutSteps, GenerationLoaders, FusedAlignTrainer):
     """Group Relative Policy Optimization with the fused output head.
 
     Args:
@@ -82,7 +82,7 @@ class GRPOTrainer(RolloutSteps, FusedAlignTrainer):
         reference = load_reference_model(ref_model, policy, args, needed=args.beta != 0.0)
         check_models(args, policy.model, reference)
         tokenizer = policy.tokenizer
-        reward_funcs = RewardFunctions(_reward_callables(reward_funcs, args), args.reward_weights)
+        reward_funcs = RewardFunctions(reward_callables(reward_funcs, args), args.reward_weights)
         (train_dataset, train_split), (eval_dataset, eval_split) = (
             self._prepare_split(d, tokenizer, args, reward_funcs) for d in (train_dataset, eval_dataset))
         if train_dataset is not None and args.padding_free:
@@ -97,7 +97,7 @@ class GRPOTrainer(RolloutSteps, FusedAlignTrainer):
                 func.prepare(self.accelerator)
         self.loss_options = args.loss_options()
         self.rollout = self.checkpointed("grpo_rollout", GRPORollout(
-            args, generator if generator is not None else _default_generator(args, tokenizer), reward_funcs,
+            args, generator if generator is not None else default_generator(args, tokenizer), reward_funcs,
             tokenizer, self.accelerator, self.metrics, lambda m, inputs, labels: self.token_logprobs(
                 m, inputs, labels).logps, self.reference, train_split, eval_split, self.advantage_strategy(args)),
             per_rank=True)
@@ -122,39 +122,6 @@ class GRPOTrainer(RolloutSteps, FusedAlignTrainer):
     @property
     def ref_model(self) -> nn.Module | None:
         return self.reference.model
-
-    # ------------------------------------------------------------------ data
-
-    generation_batch_flags = "per_device_train_batch_size or steps_per_generation"  # what sizes a generation batch
-
-    def get_train_dataloader(self):
-        args = self.args
-        if self.train_dataset is None:
-            raise ValueError("GRPOTrainer: training requires a train_dataset.")
-        sampler = GenerationBatchSampler(
-            len(self.train_dataset), args.num_generations, args.generation_batch_size // args.num_generations,
-            args.steps_per_generation * args.num_iterations, seed=args.seed,
-            shuffle=args.shuffle_dataset and args.train_sampling_strategy != "sequential",
-            batch_flags=self.generation_batch_flags,
-        )
-        return self._generation_loader(self.train_dataset, sampler, args.per_device_train_batch_size
-                                       * args.steps_per_generation)
-
-    def get_eval_dataloader(self, eval_dataset=None):
-        args, dataset = self.args, eval_dataset if eval_dataset is not None else self.eval_dataset
-        G = args.num_generations_eval or args.num_generations
-        batch = args.per_device_eval_batch_size
-        sampler = GenerationBatchSampler(len(dataset), G, batch * args.world_size // G, 1, shuffle=False,
-                                         batch_flags="per_device_eval_batch_size")
-        return self._generation_loader(dataset, sampler, batch)
-
-    def _generation_loader(self, dataset: Dataset, sampler: GenerationBatchSampler, batch_size: int):
-        """Whole generation batches only (the sampler yields nothing else). drop_last also tells
-        accelerate not to cut a "remainder" it would compute from the dataset's length, which
-        the repeated rows make wrong, out of the last batch's metrics."""
-        loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_rows, drop_last=True,
-                            num_workers=self.args.dataloader_num_workers)
-        return self.accelerator.prepare(loader)
 
     # ------------------------------------------------------------------ the step (serving: RolloutSteps)
 
@@ -210,22 +177,3 @@ class GRPOTrainer(RolloutSteps, FusedAlignTrainer):
         dataset, stats = prepare_prompt_dataset(dataset, tokenizer, max_prompt_length=args.max_prompt_length)
         reward_funcs.check_call([c for c in dataset.column_names if c not in ("prompt", "prompt_ids", "row_index")])
         return dataset, Split(stats.format.conversational)
-
-
-def _reward_callables(reward_funcs: Any, args: GRPOConfig) -> list[Callable]:
-    if reward_funcs is None:
-        return load_reward_functions(args.reward_funcs, args.reward_model_name_or_path)
-    funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
-    return [load_reward_function(f) if isinstance(f, str) else f for f in funcs]
-
-
-def _default_generator(args: GRPOConfig, tokenizer: Any) -> Any:
-    if args.replay_completions is not None:
-        return Replay.load(args.replay_completions)
-    sampler = None
-    if args.keyed_sampling:
-        sampler = KeyedSampler(args.seed, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                               min_p=args.min_p)
-    if args.resolved_generation_backend == "static":
-        return StaticDecode.from_args(args, tokenizer, sampler)
-    return HFGenerate.from_args(args, tokenizer, sampler)
