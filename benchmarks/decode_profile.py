@@ -80,7 +80,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also time the whole step with the draw inside the head (StaticDecode(fused_sampling=True)), "
                         "as one graph and, with --compile, compiled first")
     p.add_argument("--kernels", type=int, default=0, metavar="N",
-                   help="also list the N kernels that take the most GPU time in the forward (torch.profiler)")
+                   help="also list the N kernels that take the most GPU time in the forward (torch.profiler) "
+                        "and, with --compile, in the whole compiled step")
     args = p.parse_args(argv)
     if args.device is None:
         import torch
@@ -226,8 +227,9 @@ def profile_batch(args, model, batch: int, clock: Clock) -> dict[str, float]:
             times[name] = clock.graph_ms(fn)
         times["step, one graph"] = clock.graph_ms(whole)
         times["step, eager"] = clock.eager_ms(whole)
+        compiled_whole = torch.compile(whole, dynamic=True) if args.compile else None
         if args.compile:  # StaticDecode(compile_step=True): inductor first, then the graph
-            times["step, compiled, one graph"] = clock.graph_ms(torch.compile(whole, dynamic=True))
+            times["step, compiled, one graph"] = clock.graph_ms(compiled_whole)
         if args.fused_sampling:
             head = decode._sampling_state(post)
             head.seen = state.seen
@@ -236,25 +238,42 @@ def profile_batch(args, model, batch: int, clock: Clock) -> dict[str, float]:
                 if args.compile:
                     times["step, draw in the head, compiled, one graph"] = clock.graph_ms(
                         torch.compile(whole_fused, dynamic=True))
-        kernels = top_kernels(forward, args.kernels) if args.kernels and device.type == "cuda" else []
+        kernels = []
+        if args.kernels and device.type == "cuda":
+            kernels = [("forward, eager", *k) for k in top_kernels(forward, args.kernels)]
+            if compiled_whole is not None:  # where the compiled step's time goes (inductor's kernels by name)
+                kernels += [("step, compiled", *k) for k in top_kernels(compiled_whole, args.kernels)]
     del cache
     return times, kernels
 
 
-def top_kernels(fn, count: int) -> list[tuple[str, float, int]]:
-    """The `count` kernels with the most GPU time in three calls of `fn`: (name, ms a call, launches a call)."""
+def top_kernels(fn, count: int, device: str = "cuda") -> list[tuple[str, float, int]]:
+    """The `count` kernels with the most GPU time in three calls of `fn`, then every kernel's
+    time summed by kind (`harness/profiling.kernel_kind`, named "all <kind>"): (name, ms a
+    call, launches a call). `device="cpu"` lists CPU operators instead (tests)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    from benchmarks.harness.profiling import kernel_kind
+
+    cuda = device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         for _ in range(3):
             fn()
-        torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
-    return [(e.key[:90], e.self_device_time_total / 3000, e.count // 3) for e in events[:count]]
+        sync()
+    where = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    events = [e for e in prof.key_averages() if e.device_type == where]
+    spent = (lambda e: e.self_device_time_total / 3000) if cuda else (lambda e: e.self_cpu_time_total / 3000)  # noqa: E731
+    events.sort(key=spent, reverse=True)
+    rows = [(e.key[:90], spent(e), e.count // 3) for e in events[:count]]
+    kinds: dict[str, tuple[float, int]] = {}
+    for e in events:
+        ms, n = kinds.get(kernel_kind(e.key), (0.0, 0))
+        kinds[kernel_kind(e.key)] = (ms + spent(e), n + e.count // 3)
+    return rows + [(f"all {kind}", ms, n) for kind, (ms, n) in sorted(kinds.items(), key=lambda kv: -kv[1][0])]
 
 
 def main(argv=None) -> int:
@@ -286,7 +305,7 @@ def main(argv=None) -> int:
         for batch in args.batches:
             with contextlib.nullcontext() if args.transformers_attention else decoding_attention(model, kernel):
                 times, kernels = profile_batch(args, model, batch, clock)
-            kernel_rows += [[str(batch), name, f"{ms:.3f}", str(n)] for name, ms, n in kernels]
+            kernel_rows += [[str(batch), what, name, f"{ms:.3f}", str(n)] for what, name, ms, n in kernels]
             step = times["step, one graph"]
             for name, ms in times.items():
                 rows.append([str(batch), name, f"{ms:.3f}", f"{100 * ms / step:.0f}%" if name in PARTS else ""])
@@ -306,9 +325,10 @@ def main(argv=None) -> int:
              f"{args.repeats})")
     text = title + "\n\n" + markdown(["batch", "part", "ms", "of the step"], rows, numeric={0, 2, 3})
     if kernel_rows:
-        text += (f"\n\n### the forward's kernels with the most GPU time ({attention} "
-                 "attention; eager calls under torch.profiler, mean of 3)\n\n"
-                 + markdown(["batch", "kernel", "ms a forward", "launches"], kernel_rows, numeric={0, 2, 3}))
+        text += (f"\n\n### the kernels with the most GPU time ({attention} attention; the forward eager"
+                 + (" and the whole step compiled, each" if args.compile else ",")
+                 + " called without a graph under torch.profiler, mean of 3 calls)\n\n"
+                 + markdown(["batch", "of", "kernel", "ms a call", "launches"], kernel_rows, numeric={0, 3, 4}))
     log("\n" + text + "\n")
     write_markdown(args, [text])
     return 0

@@ -16,7 +16,11 @@ Reported per configuration: completions/s (completions a step over the median ti
 the share of the step spent generating (the time inside the trainer's generation call,
 after a synchronize) and training (the rest: both models' forwards, the divergence, the
 backward, the optimizer), the mean completion length the trainer logged, peak memory, and
-both against TRL's.
+both against TRL's. The peak is split (`harness/step_memory.py`): "at rest" is what is
+allocated when the first timed step starts (weights, optimizer state, the teacher: alike for
+both trainers), "step" the largest rise of a timed step above its own start (gradients,
+activations, the divergence's blocks, the generation's cache: where they differ). After the
+table, every configuration's divergence at each step.
 
 Examples:
     python benchmarks/e2e_distill.py                                    # GPU: trl and ours
@@ -130,7 +134,7 @@ def run_worker(args) -> int:
 def table(args, results: dict) -> str:
     base = results.get("trl") if results.get("trl", {}).get("status") == "ok" else None
     columns = ["config", "completions/s", "s a step", "generation %", "training %", "mean completion tokens",
-               "peak GiB", "vs trl", "peak vs trl"]
+               "peak GiB", "at rest GiB", "step GiB", "vs trl", "peak vs trl", "step vs trl"]
     rows = []
     for name in args.configs:
         r = results.get(name, {"status": "not run", "reason": "not run"})
@@ -143,8 +147,10 @@ def table(args, results: dict) -> str:
                      fmt(None if share is None else 100 * share, ".0f"),
                      fmt(None if share is None else 100 * (1 - share), ".0f"),
                      fmt(r.get("mean_completion_length"), ".0f"), fmt(r.get("peak_gib"), ".1f"),
+                     fmt(r.get("resident_gib"), ".1f"), fmt(r.get("step_gib"), ".1f"),
                      ratio(r["completions_per_s"], base["completions_per_s"]) if base else "—",
-                     ratio(r.get("peak_gib"), base.get("peak_gib")) if base else "—"])
+                     ratio(r.get("peak_gib"), base.get("peak_gib")) if base else "—",
+                     ratio(r.get("step_gib"), base.get("step_gib")) if base else "—"])
     title = (f"### On-policy distillation, {distill.prompts_per_step(args)} prompts x 1 completion of <= "
              f"{args.new_tokens} tokens a step ({args.prompt_length}-token prompts, completion lengths "
              f"{args.completion_lengths}, micro-batch {args.per_device_train_batch_size} x "
@@ -209,6 +215,10 @@ def main(argv=None) -> int:
     log(f"first step (trl and ours_generate train on the same completions): {verdict}")
     for line in lines:
         log("  " + line)
+    for name in args.configs:
+        losses = [e["loss"] for e in results.get(name, {}).get("logs") or [] if "loss" in e]
+        if losses:
+            log(f"loss by step, {name}: " + ", ".join(f"{x:.8g}" for x in losses))
     with open(args.json_out or os.path.join(args.log_dir, "results.json"), "w") as f:
         json.dump({"versions": versions(), "argv": sys.argv, "settings": {k: getattr(args, k) for k in vars(args)},
                    "skipped": skipped, "first_step": verdict, "results": results}, f, indent=1, default=str)

@@ -13,7 +13,10 @@ step), the share of the step spent generating (the time inside the trainer's gen
 call, after a synchronize) and training (the rest: scoring, log-probs, backward,
 optimizer), the mean completion length the trainer logged, the backbone's tokens per unique
 token and its forwards a step outside generation (policy, old-policy and reference passes;
-a micro-batch over the token budget runs one per part), and peak memory.
+a micro-batch over the token budget runs one per part), and peak memory, split into what is
+allocated when the first timed step starts ("at rest": weights, optimizer state, a
+reference) and the largest rise of a timed step above its start ("step":
+`harness/step_memory.py`).
 
 Examples:
     python benchmarks/e2e_grpo.py                                   # GPU: trl and ours
@@ -191,7 +194,7 @@ def table(args, results: dict) -> str:
     for name in args.configs:
         r = results.get(name, {"status": "not run", "reason": "not run"})
         if r.get("status") != "ok":
-            rows.append([name, r.get("reason") or f"{r['status']}: {r.get('error', '')[:80]}"] + [""] * 8)
+            rows.append([name, r.get("reason") or f"{r['status']}: {r.get('error', '')[:80]}"] + [""] * 11)
             continue
         share = r.get("generation_share")
         rows.append([name, f"{r['completions_per_s']:,.1f}", f"{r['median_step_s']:.2f}",
@@ -199,13 +202,16 @@ def table(args, results: dict) -> str:
                      fmt(None if share is None else 100 * (1 - share), ".0f"),
                      fmt(r.get("mean_completion_length"), ".0f"), fmt(r.get("tokens_per_unique"), ".2f"),
                      fmt(r.get("forwards_per_step"), ".0f"), fmt(r.get("peak_gib"), ".1f"),
-                     ratio(r["completions_per_s"], base["completions_per_s"]) if base else "—"])
+                     fmt(r.get("resident_gib"), ".1f"), fmt(r.get("step_gib"), ".1f"),
+                     ratio(r["completions_per_s"], base["completions_per_s"]) if base else "—",
+                     ratio(r.get("peak_gib"), base.get("peak_gib")) if base else "—"])
     title = (f"### GRPO, {args.prompts} prompts x {args.num_generations} completions x <= {args.new_tokens} new "
              f"tokens a step ({args.prompt_length}-token prompts, completion lengths {args.completion_lengths}, micro-batch {args.per_device_train_batch_size}, "
              f"{grpo.checkpointing_words(args)}, {args.timed_steps} timed steps after {args.warmup_steps})")
     columns = ["config", "completions/s", "s a step", "generation %", "training %", "mean completion tokens",
-               "backbone tokens per unique token", "training forwards a step", "peak GiB", "vs trl"]
-    return title + "\n\n" + markdown(columns, rows, numeric=set(range(1, 10)))
+               "backbone tokens per unique token", "training forwards a step", "peak GiB", "at rest GiB", "step GiB",
+               "vs trl", "peak vs trl"]
+    return title + "\n\n" + markdown(columns, rows, numeric=set(range(1, len(columns))))
 
 
 def main(argv=None) -> int:

@@ -28,7 +28,9 @@
 # compiled and the draw inside the head); PARTS="fused_decode triton_configs" (about 8 minutes: the
 # step at batch 512 with the Triton kernel, compiled, with and without the draw inside the head;
 # the kernel alone under each launch of a grid, to choose its default); PARTS=fast_grpo (about 4
-# minutes: GRPO at 64 x 8 x 256 with every decoding lever, ours_fast, against ours and TRL).
+# minutes: GRPO at 64 x 8 x 256 with every decoding lever, ours_fast, against ours and TRL);
+# PARTS=decode_kernels (about 5 minutes: the step at batch 512 with the Triton kernel, compiled, and
+# the kernels that take its time, by name and by kind, for the eager forward and the compiled step).
 set -u
 OUT=${OUT:-$PWD/bench-out}
 MODEL=${MODEL:-/tmp/bench-model}
@@ -116,6 +118,8 @@ part triton_decode 60 python3 benchmarks/decode_profile.py $X --batches $BATCHES
     $TRITON --model_dir "$MODEL" --markdown_out "$OUT/triton_decode.md"
 part fused_decode 330 python3 benchmarks/decode_profile.py $X --batches $BATCH --repeats 5 --compile --fused_sampling \
     $TRITON --model_dir "$MODEL" --markdown_out "$OUT/fused_decode.md"
+part decode_kernels 300 python3 benchmarks/decode_profile.py $X --batches $BATCH --repeats 5 --compile --kernels 15 \
+    $TRITON --model_dir "$MODEL" --markdown_out "$OUT/decode_kernels.md"
 part triton_configs 150 python3 benchmarks/decode_attention.py $X --repeats 20 --variants grouped_sdpa triton_grouped \
     --triton_configs --slots 256 512 --markdown_out "$OUT/triton_configs.md"
 part triton_generation 200 python3 benchmarks/generation.py $X --batches $BATCH --repeats 1 \

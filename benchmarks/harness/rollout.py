@@ -13,6 +13,7 @@ from typing import Any, Callable
 from benchmarks.builders import ending
 from benchmarks.harness import runner
 from benchmarks.harness.env import log
+from benchmarks.harness.step_memory import StepMemory
 from benchmarks.harness.tables import write_markdown
 from benchmarks.harness.timing import (GenerationSplit, Timers, device_sync, steady, step_timer,
                                        time_from_batch_fetch)
@@ -34,12 +35,13 @@ def run_worker(args, name: str, build: Callable[[Any, Timers], Any], completions
 
     cuda = args.device == "cuda"
     timers = Timers(device_sync(cuda))
-    peak = (lambda: torch.cuda.max_memory_allocated() / 2**30) if cuda else (lambda: None)
+    memory = StepMemory() if cuda else None  # the rest between steps and each step's rise above it
+    peak = (lambda: memory.overall() / 2**30) if cuda else (lambda: None)
     with runner.worker_result(args.result, peak) as result:
         result.update(config=name)
         set_seed(args.seed)
         split = GenerationSplit(timers)
-        callback = step_timer(timers.sync, [split])
+        callback = step_timer(timers.sync, [split] + ([memory] if memory is not None else []))
         with timers("init"):
             trainer = build(callback, timers)
             more = instrument(trainer, callback) if instrument is not None else dict
@@ -56,7 +58,8 @@ def run_worker(args, name: str, build: Callable[[Any, Timers], Any], completions
         result.update(stats, status="ok", peak_gib=peak(), logs=callback.logs, init_s=timers.get("init"),
                       completions_per_s=completions_per_step / stats["median_step_s"],
                       generation_share=statistics.median(shares) if shares and any(shares) else None,
-                      mean_completion_length=statistics.mean(lengths) if lengths else None, **more())
+                      mean_completion_length=statistics.mean(lengths) if lengths else None,
+                      **(memory.summary(timed) if memory is not None else {}), **more())
     log(json.dumps({k: v for k, v in result.items() if k not in ("logs", "step_times")}))
     return 0 if result["status"] in ("ok", "OOM") else 1
 

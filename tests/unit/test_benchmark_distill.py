@@ -29,12 +29,13 @@ def test_table_sets_speed_and_memory_against_trl():
     args = e2e_distill.parse_args(["--device", "cpu", "--tiny", "--dtype", "bf16"])
     args.configs = ["trl", "ours", "ours_generate"]
     ok = dict(status="ok", median_step_s=2.0, generation_share=0.75, mean_completion_length=300.0)
-    results = {"trl": {**ok, "completions_per_s": 2.0, "peak_gib": 40.0},
-               "ours": {**ok, "completions_per_s": 7.0, "peak_gib": 10.0},
+    results = {"trl": {**ok, "completions_per_s": 2.0, "peak_gib": 40.0, "resident_gib": 6.0, "step_gib": 34.0},
+               "ours": {**ok, "completions_per_s": 7.0, "peak_gib": 10.0, "resident_gib": 6.0, "step_gib": 4.0},
                "ours_generate": {"status": "OOM", "error": "CUDA out of memory"}}
     rows = [line for line in e2e_distill.table(args, results).splitlines() if line.startswith("| ")][1:]
-    assert rows[0].split(" | ")[-2:] == ["1.00x", "1.00x |"]
-    assert rows[1].split(" | ")[1:] == ["7.00", "2.00", "75", "25", "300", "10.0", "3.50x", "0.25x |"]
+    assert rows[0].split(" | ")[-3:] == ["1.00x", "1.00x", "1.00x |"]
+    assert rows[1].split(" | ")[1:] == ["7.00", "2.00", "75", "25", "300", "10.0", "6.0", "4.0", "3.50x", "0.25x",
+                                        "0.12x |"]
     assert "OOM: CUDA out of memory" in rows[2]
     assert args.loss_atol == 2e-2 and args.new_tokens == 16 and args.fit is not None
     assert ", no gradient checkpointing," in e2e_distill.table(args, results).splitlines()[0]

@@ -300,6 +300,38 @@ def test_step_clock_starts_when_the_trainer_fetches_the_steps_batches():
     assert timer.end[0] - timer.begin[0] >= 0.05 > timer.end[1] - timer.begin[1]
 
 
+def test_step_memory_splits_the_peak_into_the_rest_and_each_steps_rise():
+    # A fake allocator: the rest grows once (the optimizer's state after the first step), each
+    # step rises above its start, and the largest allocation of the run falls between two steps.
+    from benchmarks.harness.step_memory import GiB, StepMemory
+
+    state = {"now": 0, "peak": 0}
+
+    def allocate(n):
+        state["now"] += n
+        state["peak"] = max(state["peak"], state["now"])
+
+    def reset():
+        state["peak"] = state["now"]
+
+    memory = StepMemory(lambda: state["now"], lambda: state["peak"], reset)
+    allocate(5 * GiB)  # the models
+    plan = [(6, 2), (3, 0), (4, 0)]  # per step: its rise (GiB), then what stays after it (GiB)
+    for step, (rise, stays) in enumerate(plan):
+        memory.begin(step)
+        allocate(rise * GiB)
+        allocate(-(rise - stays) * GiB)
+        memory.end(step, 1.0)
+        if step == 1:
+            allocate(9 * GiB)  # between steps: a checkpoint's copy, say
+            allocate(-9 * GiB)
+    assert [r / GiB for r in memory.rest] == [5, 7, 7] and [p / GiB for p in memory.peaks] == [11, 10, 11]
+    timed = memory.summary(slice(1, 3))
+    assert timed["resident_gib"] == 7 and timed["step_gib"] == 4
+    assert memory.overall() == 16 * GiB  # the between-steps peak, though each step restarted the reading
+    assert memory.summary(slice(3, 5)) == {}
+
+
 def test_one_decoding_steps_floor_by_hand():
     """The floor of one step is the larger of its bytes over the bandwidth and its flops over the
     peak; the limit over several steps adds a prefill and those floors."""
@@ -363,6 +395,22 @@ def test_decode_profile_times_the_step_with_the_draw_in_the_head_under_capture_r
     assert len(captured) == len(decode_profile.PARTS) + 2  # each part, the whole step, the fused step
     with pytest.raises(SystemExit, match="--fused_sampling: .*top-k"):
         decode_profile.main(["--device", "cpu", "--tiny", "--repeats", "1", "--fused_sampling", "--top_k", "5"])
+
+
+def test_decode_profile_kernel_list_is_the_top_then_every_kernel_by_kind():
+    # On the CPU the same function lists CPU operators: the top `count` by time, in order, then
+    # each kind's total over every operator, which holds at least the top rows' time.
+    import torch
+
+    from benchmarks.decode_profile import top_kernels
+
+    a = torch.randn(128, 128)
+    rows = top_kernels(lambda: (a @ a).relu().float().sum(), 2, "cpu")
+    top, kinds = rows[:2], rows[2:]
+    assert [r[0].startswith("all ") for r in rows] == [False, False] + [True] * len(kinds) and kinds
+    assert top[0][1] >= top[1][1] and all(n >= 1 for _, _, n in rows)
+    assert sum(ms for _, ms, _ in kinds) >= sum(ms for _, ms, _ in top) - 1e-9
+    assert sum(n for _, _, n in kinds) >= sum(n for _, _, n in top)
 
 
 def test_decode_attention_triton_configs_add_one_row_per_launch_of_the_grid(tmp_path):
