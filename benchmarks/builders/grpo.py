@@ -55,6 +55,9 @@ RUNS = {r.name: r for r in (
             generation_backend="static",
             about="ours with every decoding lever: the step compiled, the draw inside the head (fused_sampling), "
                   "the Triton attention kernel (decode_kernel='triton'); CUDA only"),
+    GRPORun("ours_compiled_triton", "ours", compile_generation=True, decode_kernel="triton", generation_backend="static",
+            about="ours with the fastest decoding step measured (71009fc, H100): compiled, with the Triton attention "
+                  "kernel, the draw from the logits; CUDA only"),
     GRPORun("ours_padding_free", "ours", padding_free=True,
             about="ours with padding_free=True: each step's completions in packed rows up to the token budget"),
     GRPORun("ours_shared_prompt", "ours", padding_free=True, share_prompt=True,

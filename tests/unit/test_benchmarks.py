@@ -512,3 +512,7 @@ def test_grpo_ours_fast_gives_every_decoding_lever_to_the_loop(tmp_path):
     decode = trainer.generator
     assert isinstance(decode, StaticDecode) and decode.fused_sampling is True and decode.compile_step is True
     assert grpo.RUNS["ours_fast"].decode_kernel == "triton" and grpo.RUNS["ours_fast"].compile_generation
+    # The fastest step measured: compiled, the kernel, the draw from the logits (not in the head).
+    fastest = grpo.RUNS["ours_compiled_triton"]
+    assert (fastest.compile_generation, fastest.decode_kernel, fastest.fused_sampling) == (True, "triton", False)
+    assert grpo.availability("cpu")["ours_compiled_triton"] == "CUDA only (the Triton decode kernel)"
