@@ -92,6 +92,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--teacher_dir", default=None, help="reuse a saved teacher")
     a("--worker", choices=list(distill.RUNS), default=None, help=argparse.SUPPRESS)
     a("--result", default=None, help=argparse.SUPPRESS)
+    rollout.add_memory_snapshot_flag(p)
     args = p.parse_args(argv)
     if args.device is None:
         import torch
@@ -110,7 +111,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("need --warmup_steps >= 1 and --timed_steps >= 1")
     if not 0.0 <= args.beta <= 1.0:
         p.error(f"--beta must be in [0, 1]; got {args.beta}")
-    args.total_steps = args.warmup_steps + args.timed_steps
+    rollout.check_memory_snapshot(p, args)
     try:
         args.fit = ending.parse_fit(args.completion_lengths)
     except ValueError as error:
@@ -203,7 +204,7 @@ def main(argv=None) -> int:
     args.log_dir = os.path.abspath(args.log_dir or tempfile.mkdtemp(prefix="e2e_distill-"))
     os.makedirs(args.log_dir, exist_ok=True)
     made = build_models(args)
-    flags = rollout.forwarded(args, FORWARDED, ("gradient_checkpointing", "tiny"))
+    flags = rollout.forwarded(args, FORWARDED, ("gradient_checkpointing", "tiny", "memory_snapshot"))
     try:
         results = rollout.launch_all(args, __file__, "distill", skipped, flags, table)
     finally:
@@ -215,6 +216,7 @@ def main(argv=None) -> int:
     log(f"first step (trl and ours_generate train on the same completions): {verdict}")
     for line in lines:
         log("  " + line)
+    snapshots = rollout.memory_snapshots(results)
     for name in args.configs:
         losses = [e["loss"] for e in results.get(name, {}).get("logs") or [] if "loss" in e]
         if losses:
@@ -222,7 +224,7 @@ def main(argv=None) -> int:
     with open(args.json_out or os.path.join(args.log_dir, "results.json"), "w") as f:
         json.dump({"versions": versions(), "argv": sys.argv, "settings": {k: getattr(args, k) for k in vars(args)},
                    "skipped": skipped, "first_step": verdict, "results": results}, f, indent=1, default=str)
-    write_markdown(args, [text])
+    write_markdown(args, [text] + snapshots)
     return 0
 
 

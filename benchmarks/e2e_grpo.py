@@ -94,6 +94,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--model_dir", default=None, help="reuse a saved model")
     a("--worker", choices=list(grpo.RUNS), default=None, help=argparse.SUPPRESS)
     a("--result", default=None, help=argparse.SUPPRESS)
+    rollout.add_memory_snapshot_flag(p)
     args = p.parse_args(argv)
     if args.device is None:
         import torch
@@ -119,7 +120,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                 f"--per_device_train_batch_size {args.per_device_train_batch_size}")
     if args.warmup_steps < 1 or args.timed_steps < 1:
         p.error("need --warmup_steps >= 1 and --timed_steps >= 1")
-    args.total_steps = args.warmup_steps + args.timed_steps
+    rollout.check_memory_snapshot(p, args)
     try:
         args.fit = ending.parse_fit(args.completion_lengths)
     except ValueError as error:
@@ -155,7 +156,7 @@ class BackboneTokens:
 def tokens_per_unique(args, backbone: BackboneTokens, logs: list[dict]) -> float | None:
     """Median over the timed steps of backbone tokens / unique tokens (each prompt once, every
     completion token once)."""
-    timed = slice(args.warmup_steps, args.total_steps)
+    timed = slice(args.warmup_steps, args.warmup_steps + args.timed_steps)
     ratios = []
     for tokens, entry in zip(backbone.per_step[timed], logs[timed]):
         mean = entry.get("completions/mean_length")
@@ -179,7 +180,7 @@ def run_worker(args) -> int:
         trainer.model.register_forward_pre_hook(backbone.count, with_kwargs=True)
         callback.hooks.append(backbone)
         def more() -> dict:
-            timed = backbone.calls_per_step[args.warmup_steps:args.total_steps]
+            timed = backbone.calls_per_step[args.warmup_steps:args.warmup_steps + args.timed_steps]
             return {"tokens_per_unique": tokens_per_unique(args, backbone, callback.logs),
                     "forwards_per_step": statistics.median(timed) if timed else None}
 
@@ -243,7 +244,8 @@ def main(argv=None) -> int:
                                      "per_device_train_batch_size", "warmup_steps", "timed_steps", "learning_rate",
                                      "beta", "loss_type", "dtype", "seed", "model_dir", "completion_lengths",
                                      "max_tokens_per_batch"),
-                              ("gradient_checkpointing", "checkpoint_offload", "random_completions", "tiny"))
+                              ("gradient_checkpointing", "checkpoint_offload", "random_completions", "tiny",
+                               "memory_snapshot"))
     try:
         results = rollout.launch_all(args, __file__, "grpo", skipped, flags, table)
     finally:
@@ -251,10 +253,11 @@ def main(argv=None) -> int:
             shutil.rmtree(args.model_dir, ignore_errors=True)
     text = table(args, results)
     log("\n" + text + "\n")
+    snapshots = rollout.memory_snapshots(results)
     with open(args.json_out or os.path.join(args.log_dir, "results.json"), "w") as f:
         json.dump({"versions": versions(), "argv": sys.argv, "settings": {k: getattr(args, k) for k in vars(args)},
                    "skipped": skipped, "results": results}, f, indent=1, default=str)
-    write_markdown(args, [text])
+    write_markdown(args, [text] + snapshots)
     return 0
 
 

@@ -32,13 +32,17 @@
 # compiled, the Triton kernel, the logits' draw, which beat the draw in the head at 71009fc, against
 # ours and TRL);
 # PARTS=decode_kernels (about 5 minutes: the step at batch 512 with the Triton kernel, compiled, and
-# the kernels that take its time, by name and by kind, for the eager forward and the compiled step).
+# the kernels that take its time, by name and by kind, for the eager forward and the compiled step);
+# PARTS=distill_memory (about 3 minutes, with its teacher: ours padding-free with checkpointing, and
+# what is alive at the peak of one more step, by the line that allocated it).
 set -u
 OUT=${OUT:-$PWD/bench-out}
 MODEL=${MODEL:-/tmp/bench-model}
 TEACHER=${TEACHER:-/tmp/bench-teacher}
 PARTS=${PARTS:-"decode grpo generation dpo_flex"}
+SNAPSHOT="--memory_snapshot"  # the CUDA allocator's history: GPU only
 if [ "${TINY:-0}" = 1 ]; then X="--device cpu --tiny"; SHAPE="tiny=True, dtype='fp32'"; GRPO_REAL=""; BATCH=4; BATCHES=4
+     SNAPSHOT=""
      GRPO_BUDGET=64; DISTILL_BUDGET=0; LONGEST="--search_step 8 --search_max 32"
      OFFLOAD="--gradient_checkpointing"  # offload pins host memory, which a CPU-only machine cannot
      TRITON=""  # the Triton kernel runs on CUDA only
@@ -134,6 +138,9 @@ part distill 480 python3 benchmarks/e2e_distill.py $X --configs ours_padding_fre
 part distill_checkpointing 480 python3 benchmarks/e2e_distill.py $X --configs ours_padding_free trl \
     --gradient_checkpointing --max_tokens_per_batch $DISTILL_BUDGET --model_dir "$MODEL" --teacher_dir "$TEACHER" \
     --log_dir "$LOGS/distill_checkpointing" --markdown_out "$OUT/distill_checkpointing.md"
+part distill_memory 240 python3 benchmarks/e2e_distill.py $X --configs ours_padding_free --timed_steps 1 $SNAPSHOT \
+    --gradient_checkpointing --max_tokens_per_batch $DISTILL_BUDGET --model_dir "$MODEL" --teacher_dir "$TEACHER" \
+    --log_dir "$LOGS/distill_memory" --markdown_out "$OUT/distill_memory.md"
 part distill_padded 200 python3 benchmarks/e2e_distill.py $X --configs ours \
     --model_dir "$MODEL" --teacher_dir "$TEACHER" --log_dir "$LOGS/distill_padded" --markdown_out "$OUT/distill_padded.md"
 kill $PACKER 2>/dev/null; wait $PACKER 2>/dev/null; pack

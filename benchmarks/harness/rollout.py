@@ -13,6 +13,7 @@ from typing import Any, Callable
 from benchmarks.builders import ending
 from benchmarks.harness import runner
 from benchmarks.harness.env import log
+from benchmarks.harness.profiling import MemoryPeakStep
 from benchmarks.harness.step_memory import StepMemory
 from benchmarks.harness.tables import write_markdown
 from benchmarks.harness.timing import (GenerationSplit, Timers, device_sync, steady, step_timer,
@@ -36,12 +37,15 @@ def run_worker(args, name: str, build: Callable[[Any, Timers], Any], completions
     cuda = args.device == "cuda"
     timers = Timers(device_sync(cuda))
     memory = StepMemory() if cuda else None  # the rest between steps and each step's rise above it
+    timed_end = args.warmup_steps + args.timed_steps
+    # --memory_snapshot: the allocator's history over one more step after the timed ones.
+    snapshot = MemoryPeakStep(timed_end, None) if cuda and getattr(args, "memory_snapshot", False) else None
     peak = (lambda: memory.overall() / 2**30) if cuda else (lambda: None)
     with runner.worker_result(args.result, peak) as result:
         result.update(config=name)
         set_seed(args.seed)
         split = GenerationSplit(timers)
-        callback = step_timer(timers.sync, [split] + ([memory] if memory is not None else []))
+        callback = step_timer(timers.sync, [hook for hook in (split, memory, snapshot) if hook is not None])
         with timers("init"):
             trainer = build(callback, timers)
             more = instrument(trainer, callback) if instrument is not None else dict
@@ -52,7 +56,7 @@ def run_worker(args, name: str, build: Callable[[Any, Timers], Any], completions
             torch.cuda.reset_peak_memory_stats()
         trainer.train()
         stats = steady(callback.begin, callback.end, args.warmup_steps, args.timed_steps)
-        timed = slice(args.warmup_steps, args.total_steps)
+        timed = slice(args.warmup_steps, timed_end)
         shares = [g / s for g, s in zip(split.per_step[timed], stats["step_times"])]
         lengths = [e["completions/mean_length"] for e in callback.logs[timed] if "completions/mean_length" in e]
         result.update(stats, status="ok", peak_gib=peak(), logs=callback.logs, init_s=timers.get("init"),
@@ -60,8 +64,37 @@ def run_worker(args, name: str, build: Callable[[Any, Timers], Any], completions
                       generation_share=statistics.median(shares) if shares and any(shares) else None,
                       mean_completion_length=statistics.mean(lengths) if lengths else None,
                       **(memory.summary(timed) if memory is not None else {}), **more())
-    log(json.dumps({k: v for k, v in result.items() if k not in ("logs", "step_times")}))
+        if snapshot is not None:
+            result["memory"] = snapshot.result
+    log(json.dumps({k: v for k, v in result.items() if k not in ("logs", "step_times", "memory")}))
     return 0 if result["status"] in ("ok", "OOM") else 1
+
+
+def add_memory_snapshot_flag(parser) -> None:
+    """`--memory_snapshot`: what is alive at the peak of one more step after the timed ones."""
+    parser.add_argument("--memory_snapshot", action="store_true",
+                        help="record the CUDA allocator's history over one more step after the timed ones and "
+                             "list what is alive at its peak, by the line that allocated it (GPU only)")
+
+
+def check_memory_snapshot(parser, args) -> None:
+    """Refuses --memory_snapshot off CUDA, and makes room for its step."""
+    if args.memory_snapshot and args.device != "cuda":
+        parser.error("--memory_snapshot records the CUDA allocator's history: it needs --device cuda")
+    args.total_steps = args.warmup_steps + args.timed_steps + int(args.memory_snapshot)
+
+
+def memory_snapshots(results: dict[str, dict]) -> list[str]:
+    """With --memory_snapshot: each configuration's breakdown of its recorded step's peak, as
+    markdown (logged too)."""
+    from benchmarks.memory_peak import format_breakdown
+
+    texts = []
+    for name, r in results.items():
+        if r.get("memory"):
+            texts.append(f"#### memory at the peak of the recorded step, {name}\n\n{format_breakdown(r['memory'])}")
+            log("\n" + texts[-1] + "\n")
+    return texts
 
 
 def worker_dir(args, name: str) -> str:

@@ -46,6 +46,18 @@ def test_table_sets_speed_and_memory_against_trl():
     assert ", gradient checkpointing, ours_padding_free in rows of one sequence," in title
 
 
+def test_memory_snapshot_takes_one_more_step_and_needs_a_gpu(capsys):
+    from benchmarks import e2e_grpo
+
+    for script in (e2e_distill, e2e_grpo):
+        with pytest.raises(SystemExit):
+            script.parse_args(["--device", "cpu", "--tiny", "--memory_snapshot"])
+        assert "--memory_snapshot records the CUDA allocator's history" in capsys.readouterr().err
+        plain = script.parse_args(["--device", "cuda", "--tiny", "--timed_steps", "2"])
+        recorded = script.parse_args(["--device", "cuda", "--tiny", "--timed_steps", "2", "--memory_snapshot"])
+        assert recorded.total_steps == plain.total_steps + 1 == plain.warmup_steps + 3
+
+
 @pytest.mark.slow
 def test_worker_trains_ours_on_completions_of_the_stated_lengths(tmp_path):
     from benchmarks.builders.model import build_model

@@ -65,3 +65,14 @@ def test_pre_existing_frees_before_the_peak_shrink_the_before_group():
 def test_no_event_above_the_baseline_means_the_baseline_is_the_peak():
     s = peak_breakdown([ev("free_requested", 9, 400)], baseline_bytes=1000)
     assert s["peak_event"] == -1 and round(s["peak_gib"] * 2**30) == 1000
+
+
+def test_the_on_policy_benchmarks_print_each_recorded_peak_under_its_configuration():
+    # e2e_distill.py / e2e_grpo.py --memory_snapshot: a breakdown per configuration that recorded one.
+    from benchmarks.harness.rollout import memory_snapshots
+
+    s = peak_breakdown([ev("alloc", 1, 500, HEAD), ev("free_requested", 1, 500)], baseline_bytes=1000)
+    texts = memory_snapshots({"ours": {"status": "ok", "memory": s}, "trl": {"status": "ok"},
+                              "ours_compiled": {"status": "OOM", "memory": None}})
+    assert len(texts) == 1 and texts[0].startswith("#### memory at the peak of the recorded step, ours\n")
+    assert "| fusedalign/ops/triton_head.py:42 backward | 0.000 | 1 |" in texts[0]
