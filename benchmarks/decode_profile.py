@@ -254,7 +254,7 @@ def top_kernels(fn, count: int, device: str = "cuda") -> list[tuple[str, float, 
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from benchmarks.harness.profiling import kernel_kind
+    from benchmarks.harness.profiling import by_kind
 
     cuda = device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -268,12 +268,9 @@ def top_kernels(fn, count: int, device: str = "cuda") -> list[tuple[str, float, 
     events = [e for e in prof.key_averages() if e.device_type == where]
     spent = (lambda e: e.self_device_time_total / 3000) if cuda else (lambda e: e.self_cpu_time_total / 3000)  # noqa: E731
     events.sort(key=spent, reverse=True)
-    rows = [(e.key[:90], spent(e), e.count // 3) for e in events[:count]]
-    kinds: dict[str, tuple[float, int]] = {}
-    for e in events:
-        ms, n = kinds.get(kernel_kind(e.key), (0.0, 0))
-        kinds[kernel_kind(e.key)] = (ms + spent(e), n + e.count // 3)
-    return rows + [(f"all {kind}", ms, n) for kind, (ms, n) in sorted(kinds.items(), key=lambda kv: -kv[1][0])]
+    kernels = [(e.key, spent(e), e.count // 3) for e in events]
+    return ([(name[:90], ms, n) for name, ms, n in kernels[:count]]
+            + [(f"all {kind}", ms, n) for kind, ms, n in by_kind(kernels)])
 
 
 def main(argv=None) -> int:

@@ -27,16 +27,22 @@ def kernel_kind(name: str) -> str:
     return OTHER
 
 
+def by_kind(kernels) -> list[tuple[str, float, int]]:
+    """(kind, ms, calls) summed over `kernels`, (name, ms, calls) each, largest time first."""
+    kinds: dict[str, tuple[float, int]] = {}
+    for name, ms, calls in kernels:
+        total, count = kinds.get(kernel_kind(name), (0.0, 0))
+        kinds[kernel_kind(name)] = (total + ms, count + calls)
+    return sorted(((k, ms, n) for k, (ms, n) in kinds.items()), key=lambda row: -row[1])
+
+
 def summarise_profile(prof, step_s: float) -> dict:
     """The profiled step's top CUDA kernels, their time by kind, and how busy the GPU was."""
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]  # kernels, not the ops launching them
     kernels = sorted(((e.key, e.self_device_time_total / 1e3, e.count) for e in events
                       if e.self_device_time_total > 0), key=lambda x: -x[1])
-    kinds: dict[str, float] = {}
-    for name, ms, _ in kernels:
-        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + ms
     return {"step_ms": step_s * 1e3, "gpu_busy_ms": sum(ms for _, ms, _ in kernels),
-            "by_kind": {k: round(v, 3) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+            "by_kind": {k: round(ms, 3) for k, ms, _ in by_kind(kernels)},
             "top": [{"kernel": k[:110], "ms": round(ms, 3), "calls": c} for k, ms, c in kernels[:40]]}
 
 
