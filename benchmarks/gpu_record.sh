@@ -11,8 +11,11 @@
 # A part that runs past its limit is stopped (with its subprocesses); what it measured
 # until then is in its .md (tables are rewritten after each configuration) and its log.
 # TINY=1 runs the same parts on the CPU with the tiny model (a check that each one starts).
-# PARTS names the parts to run (default: decode grpo generation dpo_flex, about 9 minutes
-# together); the others are commands of their own: PARTS=distill (with its teacher, about 7
+# PARTS names the parts to run (default: decode grpo generation, at most 8 minutes together);
+# the others are commands of their own: PARTS=dpo_flex (at most 6 minutes: DPO at UltraFeedback
+# lengths, packed rows on flex attention against TRL + Liger at a micro-batch of 8 pairs; each
+# flex configuration's first step compiles its attention, about 100 s on an H100), PARTS=dpo_flex16
+# (the same at 16 pairs), PARTS=distill (with its teacher, about 7
 # minutes: ours padding-free under a 4,096-token budget against TRL), PARTS=distill_checkpointing
 # (the same with gradient checkpointing in both, TRL's default), PARTS=distill_padded (about 3
 # minutes: ours in its default, padded layout, alone; the three in one part ran past ten minutes),
@@ -39,7 +42,7 @@ set -u
 OUT=${OUT:-$PWD/bench-out}
 MODEL=${MODEL:-/tmp/bench-model}
 TEACHER=${TEACHER:-/tmp/bench-teacher}
-PARTS=${PARTS:-"decode grpo generation dpo_flex"}
+PARTS=${PARTS:-"decode grpo generation"}
 SNAPSHOT="--memory_snapshot"  # the CUDA allocator's history: GPU only
 if [ "${TINY:-0}" = 1 ]; then X="--device cpu --tiny"; SHAPE="tiny=True, dtype='fp32'"; GRPO_REAL=""; BATCH=4; BATCHES=4
      SNAPSHOT=""
@@ -83,14 +86,16 @@ part() {  # part NAME SECONDS COMMAND...
 part model 30 python3 -c "from benchmarks.builders.model import build_model as b; print(b('$MODEL', $SHAPE, seed=0))"
 part decode 45 python3 benchmarks/decode_profile.py $X --batches $BATCHES --repeats 5 --kernels 8 \
     --model_dir "$MODEL" --markdown_out "$OUT/decode.md"
-part grpo 200 python3 benchmarks/e2e_grpo.py $X --configs ours ours_shared_prompt trl \
+part grpo 330 python3 benchmarks/e2e_grpo.py $X --configs ours ours_shared_prompt trl \
     --warmup_steps 1 --timed_steps 2 --max_tokens_per_batch $GRPO_BUDGET \
     --model_dir "$MODEL" --log_dir "$LOGS/grpo" --markdown_out "$OUT/grpo.md"
 part generation 110 python3 benchmarks/generation.py $X --batches $BATCH --repeats 1 --methods ours ours_fused dynamic_eos \
     --model_dir "$MODEL" --log_dir "$LOGS/generation" --markdown_out "$OUT/generation.md"
-part dpo_flex 150 python3 benchmarks/e2e_dpo.py $X --real_lengths ultrafeedback --warmup_steps 2 --timed_steps 2 \
-    --configs ours_padding_free_fixed_flex ours_shared_prompt_fixed_flex trl_liger --per_device_train_batch_size 8 \
-    --model_dir "$MODEL" --log_dir "$LOGS/dpo_flex" --markdown_out "$OUT/dpo_flex.md"
+for PAIRS in 8 16; do NAME=dpo_flex; [ $PAIRS = 8 ] || NAME=dpo_flex$PAIRS
+STEP=""; [ "${TINY:-0}" = 1 ] && STEP="--pairs $PAIRS"  # the tiny run's step is 8 pairs
+part $NAME 360 python3 benchmarks/e2e_dpo.py $X $STEP --real_lengths ultrafeedback --warmup_steps 2 --timed_steps 2 \
+    --configs trl_liger ours_padding_free_fixed_flex ours_shared_prompt_fixed_flex --per_device_train_batch_size $PAIRS \
+    --model_dir "$MODEL" --log_dir "$LOGS/$NAME" --markdown_out "$OUT/$NAME.md"; done
 part e2e_dpo 200 python3 benchmarks/e2e_dpo.py $X --lengths 2048 4096 --configs ours_fused_compile trl_liger \
     --model_dir "$MODEL" --log_dir "$LOGS/e2e_dpo" --markdown_out "$OUT/e2e_dpo.md"
 part real_lengths 150 python3 benchmarks/e2e_dpo.py $X --real_lengths ultrafeedback --warmup_steps 2 --timed_steps 2 \
