@@ -177,19 +177,45 @@ def dtype_stable(cache: Any) -> Any:
     generation of a float32 model with `bf16` on, on CUDA). Cast to the keys' dtype, then to
     the buffers': exact (bfloat16 widens to float32 without loss), and the attention casts
     both to autocast's dtype anyway, so it sees the values a dynamic cache gives it.
+    `release_cache` undoes it when the generation ends.
     """
     for layer in getattr(cache, "layers", []):
-        update = layer.update
-
-        def update_in_one_dtype(keys: Tensor, values: Tensor, *args: Any, _layer=layer, _update=update, **kwargs):
-            if getattr(_layer, "is_initialized", False):
-                keys, values = keys.to(_layer.keys.dtype), values.to(_layer.values.dtype)
-            else:
-                values = values.to(keys.dtype)
-            return _update(keys, values, *args, **kwargs)
-
-        layer.update = update_in_one_dtype
+        layer.update = _update_in_one_dtype(layer, layer.update)
     return cache
+
+
+def _update_in_one_dtype(layer: Any, update: Any) -> Any:
+    """`layer.update` casting as `dtype_stable` says. The layer is closed over, not bound as a
+    default: dynamo keeps every function it traces in a cache keyed weakly by the function
+    whose value holds the function's defaults (torch 2.11-2.13), so defaults that reach the
+    layer kept the function, the layer and its buffers alive for the whole process: one KV
+    cache more after every compiled generation (2.4 GiB each at 512 rows x 384 slots of the
+    0.5B shape, measured on an H100 at db70797)."""
+
+    def update_in_one_dtype(keys: Tensor, values: Tensor, *args: Any, **kwargs: Any):
+        if getattr(layer, "is_initialized", False):
+            keys, values = keys.to(layer.keys.dtype), values.to(layer.values.dtype)
+        else:
+            values = values.to(keys.dtype)
+        return update(keys, values, *args, **kwargs)
+
+    return update_in_one_dtype
+
+
+def release_cache(cache: Any) -> None:
+    """Frees the cache's buffers when a generation ends, whoever still holds its layers.
+
+    Drops what `dtype_stable` installed (each layer's `update` closes over its layer, a cycle
+    that only Python's cyclic collector would free, at a time that knows nothing of GPU memory)
+    and every tensor a layer holds: after a compiled generation dynamo still references the
+    last cache's layer list until the next one (torch 2.13 on the CPU), and would keep its
+    buffers with it.
+    """
+    for layer in getattr(cache, "layers", []):
+        layer.__dict__.pop("update", None)
+        for name, value in list(vars(layer).items()):
+            if isinstance(value, Tensor):
+                setattr(layer, name, None)
 
 
 def cache_keyword(lm: nn.Module) -> str:

@@ -62,6 +62,7 @@ from .decode_state import (
     dtype_stable,
     gumbel_max,
     process_logits,
+    release_cache,
     select_cache_rows,
     write_back,
 )
@@ -202,16 +203,24 @@ class StaticDecode:
         with `head` (installed) each token is drawn inside the head's forward."""
         from transformers import StaticCache
 
+        # A few slots more than the tokens need (to the next multiple of 16, at least one): the
+        # first slots a step reads are then never the whole cache, nor contiguous, so a compiled
+        # step does not specialise on whether they are. The slots past them stay masked.
+        slots = ((input_ids.shape[1] + self.max_new_tokens) // 16 + 1) * 16
+        cache = dtype_stable(StaticCache(config=unwrap_model(model).config, max_cache_len=slots))
+        try:
+            return self._decode_into(cache, slots, model, input_ids, prompt_mask, row_keys, step, head)
+        finally:
+            release_cache(cache)  # its buffers go with the call, whatever traced its layers
+
+    def _decode_into(self, cache: Any, slots: int, model: nn.Module, input_ids: Tensor, prompt_mask: Tensor,
+                     row_keys, step: int, head: "sampling.SamplingHead | None"):
+        """`_decode` in the static cache `cache` of `slots` slots."""
         device = next(model.parameters()).device
         B, P = input_ids.shape
         L = P + self.max_new_tokens  # the slots the tokens need
         input_ids, prompt_mask = input_ids.to(device), prompt_mask.to(device)
         lm = unwrap_model(model)
-        # A few slots more than that (to the next multiple of 16, at least one): the first slots a
-        # step reads are then never the whole cache, nor contiguous, so a compiled step does not
-        # specialise on whether they are. The slots past L stay masked.
-        slots = (L // 16 + 1) * 16
-        cache = dtype_stable(StaticCache(config=lm.config, max_cache_len=slots))
         keyword = cache_keyword(lm)
         # Positions as generate gives them to left-padded rows.
         positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)

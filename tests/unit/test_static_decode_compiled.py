@@ -7,6 +7,8 @@ in test_static_decode.py)."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -162,3 +164,30 @@ def test_a_compiled_step_with_the_sampling_head_follows_compaction_and_the_penal
     assert decode.last_call["fused_sampling"] is True and decode.last_call["compiled"] is True
     assert len(decode.last_call["batch_sizes"]) >= 2, decode.last_call  # compacted
     assert got.completion_ids == want.completion_ids
+
+
+def _cache_buffers_alive(slots: int) -> int:
+    """Plain tensors alive of a static cache's layout [B, kv heads, slots, head dim]."""
+    return sum(1 for o in gc.get_objects() if type(o) is torch.Tensor and o.dim() == 4 and o.shape[2] == slots)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_generation_leaves_no_cache_buffer_alive(fresh_dynamo, compiled):
+    """Each call's KV cache is freed when it returns, by reference counting alone (the cyclic
+    collector off): dynamo keeps the defaults of every function it traces, which held the cache
+    of every compiled generation for the rest of the process, one cache more a call."""
+    model = load_model("builtin:tiny-qwen2", attn_implementation="sdpa").eval()
+    tok = load_tokenizer("builtin:tiny-qwen2")
+    prompts, keys = _prompts(), _keys(len(PROMPT_LENGTHS))
+    # 9 prompt tokens + 30 new: a cache of 48 slots, a shape no other tensor here has.
+    decode = StaticDecode(max_new_tokens=30, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                          do_sample=False, cuda_graphs=False, compile_step=compiled)
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(3):
+            decode.generate(model, prompts, keys)
+            assert decode.last_call["compiled"] is compiled
+            assert _cache_buffers_alive(48) == 0
+    finally:
+        gc.enable()
