@@ -131,7 +131,7 @@ part fused_decode 330 python3 benchmarks/decode_profile.py $X --batches $BATCH -
     $TRITON --model_dir "$MODEL" --markdown_out "$OUT/fused_decode.md"
 part decode_kernels 300 python3 benchmarks/decode_profile.py $X --batches $BATCH --repeats 5 --compile --kernels 15 \
     $TRITON --model_dir "$MODEL" --markdown_out "$OUT/decode_kernels.md"
-part triton_configs 150 python3 benchmarks/decode_attention.py $X --repeats 20 --variants grouped_sdpa triton_grouped \
+part triton_configs 150 python3 benchmarks/decode_attention.py $X --repeats 20 --variants grouped_sdpa triton_grouped triton_skip_masked \
     --triton_configs --slots 256 512 --markdown_out "$OUT/triton_configs.md"
 part triton_generation 200 python3 benchmarks/generation.py $X --batches $BATCH --repeats 1 \
     --methods ours ours_triton ours_compiled_triton_fused --model_dir "$MODEL" --log_dir "$LOGS/triton_generation" \

@@ -14,7 +14,11 @@ When rows x key/value heads are too few to fill the GPU, each program takes a sh
 slots (`splits`) and a few tensor ops combine the shares by their maxima and sums.
 
 The mask is the decoding step's boolean one (True: attend; a row's left padding False). Slots
-past the mask's width are not read, as in the grouped sdpa. Masked scores are set to -1e30, a
+past the mask's width are not read, as in the grouped sdpa. With `Launch.skip_masked` neither
+are the masked slots within it: a CUDA graph's window of slots (`StaticDecode.window_slots`)
+is rounded up past the slots written, and a row's left padding holds nothing to read; the
+mask is then read first and the keys' and values' loads wait for it (measured against the
+default launch by benchmarks/decode_attention.py's `triton_skip_masked`). Masked scores are set to -1e30, a
 finite value, and their probabilities to 0: a share of slots that are all masked then has sum
 0 and a maximum that weighs nothing beside a real one, never a NaN.
 
@@ -40,12 +44,16 @@ LOG2E = 1.4426950408889634
 
 class Launch(NamedTuple):
     """How the kernel is launched: slots a program reads per iteration, warps a program, pipeline
-    stages (None: Triton's defaults). `DEFAULT` is what `decode_attention` uses;
-    benchmarks/decode_attention.py --triton_configs times others."""
+    stages (None: Triton's defaults), and whether the keys and values of masked slots are read
+    (`skip_masked`: their loads are masked too, so a decoding step's window of slots not yet
+    written, and a row's left padding, cost no memory traffic; off: only slots past the cache's
+    width are left unread, and the loads depend on nothing loaded in the same iteration).
+    `DEFAULT` is what `decode_attention` uses; benchmarks/decode_attention.py times others."""
 
     block_n: int = BLOCK_N
     num_warps: int | None = None
     num_stages: int | None = None
+    skip_masked: bool = False
 
 
 DEFAULT = Launch()
@@ -56,7 +64,7 @@ def _grouped_decode(Q, K, V, MASK, ACC, MAX, SUM,
                     s_qb, s_qg, s_qr, s_kb, s_kg, s_ks, s_vb, s_vg, s_vs, s_mb, s_ms,
                     kv_heads, group, slots, share, scale_log2,
                     HAS_MASK: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                    PRECISION: tl.constexpr):
+                    PRECISION: tl.constexpr, SKIP_MASKED: tl.constexpr):
     """One (row, key/value head) x one share of the slots: its partial sum of values [BLOCK_G, D],
     and the running maximum and sum of the base-2 exponentials [BLOCK_G], written to
     ACC/MAX/SUM[(row x kv_heads + head), split]."""
@@ -80,14 +88,15 @@ def _grouped_decode(Q, K, V, MASK, ACC, MAX, SUM,
         valid = inside
         if HAS_MASK:
             valid = valid & (tl.load(MASK + b * s_mb + cols * s_ms, mask=inside, other=0) != 0)
-        k = tl.load(K + b * s_kb + h * s_kg + cols[:, None] * s_ks + dims[None, :], mask=inside[:, None], other=0.0)
+        read = valid if SKIP_MASKED else inside  # the slots whose keys and values are loaded
+        k = tl.load(K + b * s_kb + h * s_kg + cols[:, None] * s_ks + dims[None, :], mask=read[:, None], other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_G, BLOCK_N], base 2
         scores = tl.where(valid[None, :], scores, -1.0e30)
         new_top = tl.maximum(top, tl.max(scores, 1))
         alpha = tl.exp2(top - new_top)
         p = tl.where(valid[None, :], tl.exp2(scores - new_top[:, None]), 0.0)
         total = total * alpha + tl.sum(p, 1)
-        v = tl.load(V + b * s_vb + h * s_vg + cols[:, None] * s_vs + dims[None, :], mask=inside[:, None], other=0.0)
+        v = tl.load(V + b * s_vb + h * s_vg + cols[:, None] * s_vs + dims[None, :], mask=read[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         top = new_top
     out = (pid * splits + split) * BLOCK_G + rows
@@ -153,6 +162,7 @@ def grouped_decode(query: Tensor, key: Tensor, value: Tensor, visible: Tensor | 
         g, group, S, share, scale * LOG2E,
         HAS_MASK=visible is not None, BLOCK_G=block_g, BLOCK_N=launch.block_n, D=d,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",  # float32 models: no TF32 rounding
+        SKIP_MASKED=launch.skip_masked and visible is not None,
         **{k: v for k, v in (("num_warps", launch.num_warps), ("num_stages", launch.num_stages)) if v is not None})
     if splits == 1:
         out = acc[:, 0] / total[:, 0, :, None]

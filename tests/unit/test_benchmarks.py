@@ -440,7 +440,7 @@ def test_decode_attention_cpu_smoke_times_every_variant_and_checks_it_against_fl
     rows = [line.split("|")[1:-1] for line in out.read_text().splitlines() if line.startswith("| 3 |")]
     assert len(rows) == 2 * len(decode_attention.VARIANTS)
     for batch, slots, variant, ms, read_mb, rate, error, step_ms in (map(str.strip, r) for r in rows):
-        if variant in ("flex_compiled", "triton_grouped"):
+        if variant in ("flex_compiled", "triton_grouped", "triton_skip_masked"):
             assert (ms, error) == ("—", "RuntimeError")
             continue
         assert float(ms) > 0 and float(error) < 1e-5, (variant, slots, ms, error)

@@ -97,6 +97,21 @@ def interpreter_checks():
             got = grouped_decode(query, key, value, visible, case[3] ** -0.5, launch)
             torch.testing.assert_close(got.double(), by_hand(query, key, value, visible, case[3] ** -0.5),
                                        rtol=1e-5, atol=1e-5, msg=lambda m, n=name, c=launch: f"{n} {c}: {m}")
+    # Masked slots skipped (their keys and values never loaded): the same attention, and slots
+    # that hold NaN behind the mask (a cache's unwritten or stale slots) change nothing.
+    skip = Launch(skip_masked=True)
+    for name, case in CASES.items():
+        query, key, value, visible = inputs(*case)
+        scale = case[3] ** -0.5
+        want = by_hand(query, key, value, visible, scale)
+        got = grouped_decode(query, key, value, visible, scale, skip)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"skip {n}: {m}")
+        if visible is not None:
+            stale_k, stale_v = (t.masked_fill(~visible[:, None, :, None], float("nan")) for t in (key, value))
+            for launch in (skip, Launch(32, 2, 3, True)):
+                got = grouped_decode(query, stale_k, stale_v, visible, scale, launch)
+                torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5,
+                                           msg=lambda m, n=name, c=launch: f"NaN behind the mask, {n} {c}: {m}")
     for name, case in CASES.items():
         query, key, value, visible = inputs(*case, dtype=torch.bfloat16)
         scale = case[3] ** -0.5
@@ -124,11 +139,16 @@ def error_of(out, truth):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("skip_masked", [False, True])
 @pytest.mark.parametrize("rows,slots", [(512, 384), (64, 2048), (5, 129)])
-def test_cuda_kernel_in_a_graph_errs_no_more_than_the_grouped_sdpa(rows, slots):
+def test_cuda_kernel_in_a_graph_errs_no_more_than_the_grouped_sdpa(rows, slots, skip_masked):
     """bf16 at Qwen2.5-0.5B's heads (14 over 2, d 64): replayed from a CUDA graph, the kernel's
-    largest error against float32 arithmetic is at most the grouped sdpa's plus 2e-3."""
-    from fusedalign.generation.decode_kernel import decode_attention
+    largest error against float32 arithmetic is at most the grouped sdpa's plus 2e-3, with the
+    masked slots' keys and values read or not (`Launch.skip_masked`)."""
+    from fusedalign.generation.decode_kernel import Launch, grouped_decode
+
+    def decode_attention(query, key, value, visible, scale):
+        return grouped_decode(query, key, value, visible, scale, Launch(skip_masked=skip_masked))
 
     query, key, value, visible = (t.cuda() if t is not None else None for t in
                                   inputs(rows, 14, 2, 64, slots, slots // 2, dtype=torch.bfloat16))
