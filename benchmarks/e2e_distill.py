@@ -77,6 +77,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--warmup_steps", type=int, default=1)
     a("--timed_steps", type=int, default=2)
     a("--gradient_checkpointing", action="store_true", help="both trainers (TRL 1.16's default; off here unless asked)")
+    a("--log_parts", action="store_true",
+      help="ours: each micro-batch part's divergence sum and token count, by step, after the table (a host read "
+           "each part: for looking into the loss, not for timing)")
     a("--learning_rate", type=float, default=1e-6, help="TRL's default")
     a("--beta", type=float, default=1.0, help="the divergence: 0 forward KL, 0.5 JSD, 1 reverse KL (TRL's default)")
     a("--temperature", type=float, default=1.0, help="sampling and loss temperature (TRL's default)")
@@ -204,7 +207,8 @@ def main(argv=None) -> int:
     args.log_dir = os.path.abspath(args.log_dir or tempfile.mkdtemp(prefix="e2e_distill-"))
     os.makedirs(args.log_dir, exist_ok=True)
     made = build_models(args)
-    flags = rollout.forwarded(args, FORWARDED, ("gradient_checkpointing", "tiny", "memory_snapshot"))
+    flags = rollout.forwarded(args, FORWARDED, ("gradient_checkpointing", "tiny", "memory_snapshot",
+                                                               "log_parts"))
     try:
         results = rollout.launch_all(args, __file__, "distill", skipped, flags, table)
     finally:
@@ -217,14 +221,18 @@ def main(argv=None) -> int:
     for line in lines:
         log("  " + line)
     snapshots = rollout.memory_snapshots(results)
+    by_step = []
     for name in args.configs:
         losses = [e["loss"] for e in results.get(name, {}).get("logs") or [] if "loss" in e]
         if losses:
-            log(f"loss by step, {name}: " + ", ".join(f"{x:.8g}" for x in losses))
+            by_step.append(f"loss by step, {name}: " + ", ".join(f"{x:.8g}" for x in losses))
+        by_step += [f"  {name}: {line}" for line in distill.part_lines(os.path.join(args.log_dir, f"out-{name}"))]
+    for line in by_step:
+        log(line)
     with open(args.json_out or os.path.join(args.log_dir, "results.json"), "w") as f:
         json.dump({"versions": versions(), "argv": sys.argv, "settings": {k: getattr(args, k) for k in vars(args)},
                    "skipped": skipped, "first_step": verdict, "results": results}, f, indent=1, default=str)
-    write_markdown(args, [text] + snapshots)
+    write_markdown(args, [text] + snapshots + (["```\n" + "\n".join(by_step) + "\n```"] if by_step else []))
     return 0
 
 

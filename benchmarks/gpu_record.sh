@@ -37,7 +37,9 @@
 # PARTS=decode_kernels (about 5 minutes: the step at batch 512 with the Triton kernel, compiled, and
 # the kernels that take its time, by name and by kind, for the eager forward and the compiled step);
 # PARTS=distill_memory (about 3 minutes, with its teacher: ours padding-free with checkpointing, and
-# what is alive at the peak of one more step, by the line that allocated it).
+# what is alive at the peak of one more step, by the line that allocated it); PARTS=distill_parts
+# (about 3 minutes: ours padding-free alone, each micro-batch part's divergence sum and tokens by
+# step, to see whether a repeated step loss repeats part by part).
 set -u
 OUT=${OUT:-$PWD/bench-out}
 MODEL=${MODEL:-/tmp/bench-model}
@@ -146,6 +148,9 @@ part distill_checkpointing 480 python3 benchmarks/e2e_distill.py $X --configs ou
 part distill_memory 240 python3 benchmarks/e2e_distill.py $X --configs ours_padding_free --timed_steps 1 $SNAPSHOT \
     --gradient_checkpointing --max_tokens_per_batch $DISTILL_BUDGET --model_dir "$MODEL" --teacher_dir "$TEACHER" \
     --log_dir "$LOGS/distill_memory" --markdown_out "$OUT/distill_memory.md"
+part distill_parts 240 python3 benchmarks/e2e_distill.py $X --configs ours_padding_free --log_parts \
+    --max_tokens_per_batch $DISTILL_BUDGET --model_dir "$MODEL" --teacher_dir "$TEACHER" \
+    --log_dir "$LOGS/distill_parts" --markdown_out "$OUT/distill_parts.md"
 part distill_padded 200 python3 benchmarks/e2e_distill.py $X --configs ours \
     --model_dir "$MODEL" --teacher_dir "$TEACHER" --log_dir "$LOGS/distill_padded" --markdown_out "$OUT/distill_padded.md"
 kill $PACKER 2>/dev/null; wait $PACKER 2>/dev/null; pack

@@ -12,6 +12,8 @@ beta, learning_rate, bf16. `timers("generation")` wraps each trainer's generatio
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 from unittest import mock
 
@@ -143,4 +145,38 @@ def build_ours(run, s, output_dir, prompts, tokenizer, callback, timers):
             return generate(model, prompt_ids, *a, **kw)
 
     trainer.generator.generate = timed_generate
+    if getattr(s, "log_parts", False):
+        record_parts(trainer, os.path.join(output_dir, PARTS_FILE))
     return trainer
+
+
+PARTS_FILE = "divergence_parts.jsonl"
+
+
+def record_parts(trainer, path: str) -> None:
+    """Appends each training part's divergence sum and scored tokens to `path` (JSON lines)."""
+    loss_and_metrics = trainer.loss_and_metrics
+
+    def recorded(model, inputs, mode):
+        loss_sum, metrics = loss_and_metrics(model, inputs, mode)
+        if mode == "train":
+            entry = {"step": trainer.state.global_step + 1, "sum": float(loss_sum.detach().double()),
+                     "tokens": int(inputs.loss_mask.sum()), "dtype": str(loss_sum.dtype)}
+            with open(path, "a") as f:
+                f.write(json.dumps(entry) + "\n")
+        return loss_sum, metrics
+
+    trainer.loss_and_metrics = recorded
+
+
+def part_lines(output_dir: str) -> list[str]:
+    """`step N: sum/tokens ...` for each step that `record_parts` wrote under `output_dir`."""
+    path = os.path.join(output_dir, PARTS_FILE)
+    if not os.path.exists(path):
+        return []
+    steps: dict[int, list[str]] = {}
+    with open(path) as f:
+        for line in f:
+            e = json.loads(line)
+            steps.setdefault(e["step"], []).append(f"{e['sum']:.9g}/{e['tokens']} ({e['dtype']})")
+    return [f"step {n} parts (divergence sum/tokens): " + ", ".join(parts) for n, parts in sorted(steps.items())]

@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import e2e_distill  # noqa: E402
+from benchmarks.builders import distill  # noqa: E402
 from benchmarks.builders.model import QWEN05B, QWEN15B, model_config  # noqa: E402
 
 
@@ -79,8 +80,14 @@ def test_worker_trains_ours_on_completions_of_the_stated_lengths(tmp_path):
     packed = tmp_path / "packed.json"
     rc = e2e_distill.main(["--device", "cpu", "--tiny", "--worker", "ours_padding_free", "--timed_steps", "1",
                            "--max_tokens_per_batch", "0", "--model_dir", str(student), "--teacher_dir", str(teacher),
-                           "--result", str(packed)])
+                           "--result", str(packed), "--log_parts"])
     p = json.loads(packed.read_text())
     assert rc == 0 and p["status"] == "ok", p
     for key in ("loss", "completions/mean_length", "grad_norm"):
         assert [e[key] for e in p["logs"]] == pytest.approx([e[key] for e in r["logs"]], rel=1e-4, abs=1e-6), key
+    # --log_parts: each part's divergence sum and tokens; a step's sums over its tokens are its logged loss.
+    parts = [json.loads(line) for line in (tmp_path / "out-ours_padding_free" / distill.PARTS_FILE).open()]
+    for step, entry in enumerate((e for e in p["logs"] if "loss" in e), start=1):
+        mine = [x for x in parts if x["step"] == step]
+        assert len(mine) > 1 and all(x["dtype"] == "torch.float32" for x in mine)
+        assert sum(x["sum"] for x in mine) / sum(x["tokens"] for x in mine) == pytest.approx(entry["loss"], rel=1e-5)
