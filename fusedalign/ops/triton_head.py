@@ -32,8 +32,7 @@ So the tokens are taken in row blocks of at most M / MIN_COLS rows, each chunked
 vocabulary as above; grad_W and the adapter's grad_up then sum over the blocks, in an fp32
 V x H accumulator (0.5 GiB at Qwen2.5-0.5B's shape), which at such N is smaller than the
 N x H one it replaces. The backward's two regimes are two functions behind one dispatcher
-(`_backward`): `_backward_one_block` and `_backward_row_blocks`, sharing the chunk loop
-`_block_chunks`.
+(`triton_head_backward.backward`). The chunk and block shapes are in `ops/triton_chunks.py`.
 
 Batch-invariant mode (`ops/invariant.py`): chunk widths and row blocks above follow N, so a
 row's bf16 log-prob depends on its batch-mates. With `batch_invariant` both come from the
@@ -43,8 +42,6 @@ budget and V alone (`invariant_shape`), and the forward pads every block to its 
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
-
 import torch
 import triton  # noqa: F401  (ImportError here = backend unavailable, reported by the registry)
 from torch import Tensor
@@ -53,9 +50,17 @@ from torch.autograd.function import once_differentiable
 from fusedalign.ops import invariant
 from fusedalign.ops.blocks import BlockForward, BlockMath
 from fusedalign.ops.gemm import HALF as _HALF
-from fusedalign.ops.gemm import accumulate_mm, wide_mm
 from fusedalign.ops.options import HeadOptions, HeadOutput, LowRank
 from fusedalign.ops.registry import Backend, register_backend
+from fusedalign.ops.triton_chunks import (  # noqa: F401  (MIN_COLS, invariant_shape: the backend's shape, named here too)
+    MIN_COLS,
+    chunk_buffers,
+    chunk_cols,
+    chunk_logits,
+    invariant_shape,
+    row_blocks,
+)
+from fusedalign.ops.triton_head_backward import backward
 from fusedalign.ops.triton_launch import (
     BWD_BIAS_CONFIG,
     BWD_CONFIG,
@@ -68,69 +73,6 @@ from fusedalign.ops.triton_launch import (
     new_state,
     on_device,
 )
-
-# Chunk widths are rounded down to a multiple of this (GEMM- and kernel-friendly).
-COL_ALIGN = 256
-# The narrowest vocabulary chunk the op accepts before it splits the tokens into row
-# blocks (module doc): at 1024 columns a chunk's GEMM does 1024 FLOP per byte of hidden
-# it reads, well above the H200's ~200 FLOP/byte balance point.
-MIN_COLS = 1024
-
-
-# Batch-invariant mode: rows of a block when the budget allows (`invariant_shape`).
-INVARIANT_ROWS = 8192
-
-
-def invariant_shape(v: int, opts: HeadOptions) -> tuple[int, int]:
-    """(rows, columns) of every chunk in batch-invariant mode, from the budget and V alone.
-
-    About INVARIANT_ROWS rows by at least MIN_COLS (or V) columns, as many logits as the
-    budget's chunk_rows x V; rows a multiple of `invariant.ROW_MULTIPLE`.
-    """
-    logits = opts.chunk_rows * v
-    cols = min(v, max(min(MIN_COLS, v), logits // INVARIANT_ROWS))
-    if cols < v and cols >= 2 * COL_ALIGN:
-        cols -= cols % COL_ALIGN
-    step = invariant.ROW_MULTIPLE
-    return max(step, logits // cols // step * step), cols
-
-
-def chunk_cols(n: int, v: int, opts: HeadOptions) -> int:
-    """Vocabulary columns per chunk: chunk_rows x V logits laid out as [N, C]."""
-    if opts.batch_invariant:
-        return invariant_shape(v, opts)[1]
-    cols = opts.chunk_rows * v // max(n, 1)
-    if cols >= v:
-        return v
-    if cols >= 2 * COL_ALIGN:
-        cols -= cols % COL_ALIGN
-    return max(cols, 1)
-
-
-def row_blocks(n: int, v: int, opts: HeadOptions) -> list[tuple[int, int]]:
-    """Row ranges [r0, r1) taken one after another: one block unless the budget would leave
-    chunks narrower than MIN_COLS (or V) columns at n rows; then equal blocks that don't."""
-    if opts.batch_invariant:  # fixed blocks (the forward pads the last one)
-        rows = invariant_shape(v, opts)[0]
-        return [(r0, min(r0 + rows, n)) for r0 in range(0, n, rows)] or [(0, 0)]
-    width = min(MIN_COLS, v)
-    budget = opts.chunk_rows * v  # logits per chunk
-    if n == 0 or budget // n >= width:
-        return [(0, n)]
-    count = -(-n // max(budget // width, 1))
-    bounds = [i * n // count for i in range(count + 1)]  # sizes differ by at most one row
-    return list(zip(bounds[:-1], bounds[1:]))
-
-
-def _chunk_buffers(blocks: list[tuple[int, int]], hidden: Tensor, down: Tensor | None, v: int,
-                   opts: HeadOptions) -> tuple[Tensor, Tensor | None]:
-    """Reusable flat buffers for the chunks of `blocks`: the logits (hidden's dtype) and the
-    adapter's logits (down's dtype, None without an adapter), each as large as the largest
-    chunk any block takes (its rows x its chunk's columns)."""
-    size = max((r1 - r0) * chunk_cols(r1 - r0, v, opts) for r0, r1 in blocks)
-    buf = torch.empty(size, dtype=hidden.dtype, device=hidden.device)
-    return buf, None if down is None else torch.empty(size, dtype=down.dtype, device=hidden.device)
-
 
 class _TritonHeadLogprobs(torch.autograd.Function):
     """Autograd function; `opts` carries every non-tensor option (fixed backward arity)."""
@@ -157,23 +99,11 @@ class _TritonHeadLogprobs(torch.autograd.Function):
             grad_logps = torch.zeros_like(lse2)
         ent = None if grad_entropy is None or entropy is None else (grad_entropy, entropy)
         with torch.autocast(hidden.device.type, enabled=False), on_device(hidden):
-            g_h, g_w, g_b, g_down, g_up = _backward(
+            g_h, g_w, g_b, g_down, g_up = backward(
                 grad_logps, hidden, weight, labels, bias, down, up, lse2, ctx.opts, ent,
                 need=(needs[0], needs[1], needs[3], needs[4], needs[5]),
             )
         return g_h, g_w, None, g_b, g_down, g_up, None
-
-
-def _chunk_logits(buf, lbuf, hidden, weight, down, up, c0, cl):
-    """L = h W_c^T (and lora = down up_c^T) into the front of the reusable buffers."""
-    n = hidden.shape[0]
-    x = buf[: n * cl].view(n, cl)
-    torch.mm(hidden, weight[c0:c0 + cl].t(), out=x)  # [N, H] @ [H, C]
-    lx = x  # a placeholder pointer when there is no adapter
-    if lbuf is not None:
-        lx = lbuf[: n * cl].view(n, cl)
-        torch.mm(down, up[c0:c0 + cl].t(), out=lx)  # [N, r] @ [r, C]
-    return x, lx
 
 
 def _forward(hidden, weight, labels, bias, down, up, opts: HeadOptions):
@@ -187,7 +117,7 @@ def _forward(hidden, weight, labels, bias, down, up, opts: HeadOptions):
     state = new_state(n, opts, dev, lab)
     if n > 0:
         blocks = row_blocks(n, v, opts)
-        buffers = _chunk_buffers(blocks, hidden, down, v, opts)
+        buffers = chunk_buffers(blocks, hidden, down, v, opts)
         for r0, r1 in blocks:
             h_b, d_b = hidden[r0:r1], None if down is None else down[r0:r1]
             s_b = tuple(t[r0:r1] for t in state)  # views: the kernel folds into the block's rows
@@ -195,7 +125,7 @@ def _forward(hidden, weight, labels, bias, down, up, opts: HeadOptions):
             config = launch_shape(FWD_CONFIG, r1 - r0, cols, hidden.is_cuda)
             for c0 in range(0, v, cols):
                 cl = min(cols, v - c0)
-                x, lx = _chunk_logits(*buffers, h_b, weight, d_b, up, c0, cl)
+                x, lx = chunk_logits(*buffers, h_b, weight, d_b, up, c0, cl)
                 fold(x, lx if down is not None else None, bias, lab[r0:r1], s_b, c0, opts, config)
         del buffers
     return finish(state, valid, labels, v, opts)
@@ -218,7 +148,7 @@ def _forward_invariant(hidden, weight, labels, bias, down, up, opts: HeadOptions
     w_k, up_k = invariant.k_padded(weight), None if up is None else invariant.k_padded(up)
     h_buf = hidden.new_zeros(rows, w_k.shape[1])
     d_buf = None if down is None else down.new_zeros(rows, up_k.shape[1])
-    buffers = _chunk_buffers([(0, rows)], hidden, down, v, opts)
+    buffers = chunk_buffers([(0, rows)], hidden, down, v, opts)
     config = launch_shape(FWD_CONFIG, rows, cols, hidden.is_cuda)
     for r0 in range(0, n, rows):
         h_b = invariant.rows_into(h_buf, hidden[r0:r0 + rows])
@@ -226,164 +156,10 @@ def _forward_invariant(hidden, weight, labels, bias, down, up, opts: HeadOptions
         s_b = tuple(t[r0:r0 + rows] for t in state)  # views: the kernel folds into the block's rows
         for c0 in range(0, v, cols):
             cl = min(cols, v - c0)
-            x, lx = _chunk_logits(*buffers, h_b, w_k, d_b, up_k, c0, cl)
+            x, lx = chunk_logits(*buffers, h_b, w_k, d_b, up_k, c0, cl)
             fold(x, lx if down is not None else None, bias, lab[r0:r0 + rows], s_b, c0, opts, config)
     del buffers
     return finish(tuple(t[:n] for t in state), valid, labels, v, opts)
-
-
-class _RowInputs(NamedTuple):
-    """The backward kernel's per-row inputs, for the rows of one call or one row block."""
-
-    lab: Tensor  # [n] int32, the label, -1 where ignored
-    lse2: Tensor  # [n] fp32, the forward's base-2 logsumexp
-    gs: Tensor  # [n] fp32, g * logit_scale / T, 0 where ignored
-    gh: Tensor | None  # [n] fp32, g^H * logit_scale / T, 0 where ignored (None: no entropy gradient)
-    ent: Tensor | None  # [n] fp32, the forward's entropy (None likewise)
-
-    def rows(self, r0: int, r1: int) -> _RowInputs:
-        return _RowInputs(*(None if t is None else t[r0:r1] for t in self))
-
-
-def _backward(g, hidden, weight, labels, bias, down, up, lse2, opts: HeadOptions, ent=None, *, need):
-    """Gradients (hidden, weight, bias, down, up) of sum_i g_i logp_i (+ g^H_i H_i when ent =
-    (g^H [N], H [N]) is given); None where not needed.
-
-    The dispatcher of the two regimes, which follow the forward's row blocks (`row_blocks`):
-    one block of every row (`_backward_one_block`) or several (`_backward_row_blocks`).
-    """
-    n, v = hidden.shape[0], weight.shape[0]
-    valid = labels != opts.ignore_index
-    # Ignored positions get exactly zero gradient, even if the upstream sent NaN there.
-    scale = opts.logit_scale / opts.temperature
-    gh = None if ent is None else torch.where(valid, ent[0].float(), 0.0) * scale
-    per_row = _RowInputs(torch.where(valid, labels, -1).to(torch.int32), lse2,
-                         torch.where(valid, g.float(), 0.0) * scale, gh, None if ent is None else ent[1])
-    if n == 0:
-        return _backward_no_rows(hidden, weight, bias, down, up, need)
-    blocks = row_blocks(n, v, opts)
-    if len(blocks) == 1:
-        return _backward_one_block(hidden, weight, bias, down, up, per_row, opts, need)
-    return _backward_row_blocks(hidden, weight, bias, down, up, per_row, blocks, opts, need)
-
-
-def _backward_no_rows(hidden, weight, bias, down, up, need):
-    """No rows: empty per-row gradients, zero per-column ones (still connected)."""
-    need_h, need_w, need_b, need_down, need_up = need
-    like = lambda t, wanted: torch.empty_like(t) if wanted else None  # noqa: E731
-    zeros = lambda t, wanted: torch.zeros(t.shape, dtype=t.dtype, device=t.device) if wanted else None  # noqa: E731
-    return like(hidden, need_h), zeros(weight, need_w), zeros(bias, need_b), like(down, need_down), zeros(up, need_up)
-
-
-def _backward_one_block(hidden, weight, bias, down, up, per_row: _RowInputs, opts: HeadOptions, need):
-    """Every row at once, chunked over the vocabulary (up to ~57k rows at V = 151,936).
-
-    A chunk's column gradients (grad_W, grad_b, grad_up of its columns) are complete after
-    its GEMM, which sums over all N rows in fp32 and rounds once: they are written straight
-    into the returned tensors. grad_h and grad_down accumulate over the chunks (in fp32 for
-    half inputs) and are cast once the chunk buffer is freed, so that the peak stays one
-    chunk plus one accumulator.
-    """
-    _, need_w, need_b, _, need_up = need
-    n, v = hidden.shape[0], weight.shape[0]
-    g_w, g_b, g_up = (torch.empty(t.shape, dtype=t.dtype, device=t.device) if wanted else None
-                      for t, wanted in ((weight, need_w), (bias, need_b), (up, need_up)))
-
-    def write_columns(cols: slice, x: Tensor, lx: Tensor, dbias: Tensor | None) -> None:
-        if g_w is not None:
-            torch.mm(x.t(), hidden, out=g_w[cols])  # [C, N] @ [N, H]
-        if g_b is not None:
-            g_b[cols] = dbias[:, :x.shape[1]].sum(dim=0)
-        if g_up is not None:
-            g_up[cols] = wide_mm(lx.t(), down).mul_(opts.low_rank_scale)  # [C, N] @ [N, r]
-
-    buffers = _chunk_buffers([(0, n)], hidden, down, v, opts)
-    acc_h, acc_down = _block_chunks(buffers, hidden, weight, bias, down, up, per_row, opts, need, write_columns)
-    if acc_down is not None:
-        acc_down.mul_(opts.low_rank_scale)
-    del buffers
-    g_h = None if acc_h is None else acc_h.to(hidden.dtype)
-    g_down = None if acc_down is None else acc_down.to(down.dtype)
-    return g_h, g_w, g_b, g_down, g_up
-
-
-def _backward_row_blocks(hidden, weight, bias, down, up, per_row: _RowInputs, blocks, opts: HeadOptions, need):
-    """Long inputs: the forward's row blocks one after another, each chunked over the vocabulary.
-
-    Column gradients are summed over the blocks in fp32 accumulators (grad_W: V x H) and
-    rounded once at the end. Each block's grad_h / grad_down rows are written into the
-    returned tensors when the block is done, and its fp32 accumulator is freed before the
-    next block allocates its own.
-    """
-    need_h, need_w, need_b, need_down, need_up = need
-    v = weight.shape[0]
-    g_h = torch.empty_like(hidden) if need_h else None
-    g_down = torch.empty_like(down) if need_down else None
-    acc_w, acc_b, acc_up = (_acc_like(t) if wanted else None
-                            for t, wanted in ((weight, need_w), (bias, need_b), (up, need_up)))
-    buffers = _chunk_buffers(blocks, hidden, down, v, opts)
-    for r0, r1 in blocks:
-        h_b, d_b = hidden[r0:r1], None if down is None else down[r0:r1]
-
-        def add_columns(cols: slice, x: Tensor, lx: Tensor, dbias: Tensor | None, h_b=h_b, d_b=d_b) -> None:
-            if acc_w is not None:
-                accumulate_mm(acc_w[cols], x.t(), h_b)  # [C, n] @ [n, H]
-            if acc_b is not None:
-                acc_b[cols] += dbias[:, :x.shape[1]].sum(dim=0)
-            if acc_up is not None:
-                accumulate_mm(acc_up[cols], lx.t(), d_b)  # [C, n] @ [n, r]; scaled at the end
-
-        acc_h, acc_down = _block_chunks(buffers, h_b, weight, bias, d_b, up, per_row.rows(r0, r1), opts, need,
-                                        add_columns)
-        if acc_h is not None:
-            g_h[r0:r1] = acc_h
-        if acc_down is not None:
-            g_down[r0:r1] = acc_down.mul_(opts.low_rank_scale)
-        del acc_h, acc_down  # freed before the next block allocates its own
-    del buffers
-    if acc_up is not None:
-        acc_up.mul_(opts.low_rank_scale)
-    cast = lambda acc, like: None if acc is None else acc.to(like.dtype)  # noqa: E731
-    return g_h, cast(acc_w, weight), cast(acc_b, bias), g_down, cast(acc_up, up)
-
-
-def _acc_like(t: Tensor) -> Tensor:
-    """A zeroed running sum: fp32 for a half-precision tensor, t's own dtype otherwise."""
-    return torch.zeros(t.shape, dtype=torch.float32 if t.dtype in _HALF else t.dtype, device=t.device)
-
-
-def _block_chunks(buffers, hidden, weight, bias, down, up, per_row: _RowInputs, opts: HeadOptions, need,
-                  columns: Callable[[slice, Tensor, Tensor, Tensor | None], None]):
-    """One row block's vocabulary chunks, shared by both regimes.
-
-    Per chunk: recompute L (and the adapter's logits), let the kernel overwrite them with G,
-    add G W_c (and s G up_c) into the block's fp32 grad_h (grad_down) rows, and hand the
-    chunk to `columns(cols, G, G in the adapter's dtype, dbias)` for its column gradients.
-
-    Returns:
-        (grad_h rows, grad_down rows before the adapter's scale) of the block, fp32 for
-        half inputs; None where not needed.
-    """
-    need_h, _, need_b, need_down, need_up = need
-    n, v = hidden.shape[0], weight.shape[0]
-    acc_h = _acc_like(hidden) if need_h else None
-    acc_down = _acc_like(down) if need_down else None
-    cols = chunk_cols(n, v, opts)
-    config = launch_shape(BWD_BIAS_CONFIG if need_b else BWD_CONFIG, n, cols, hidden.is_cuda)
-    dbias = torch.empty(triton.cdiv(n, config[0]), cols, dtype=torch.float32, device=hidden.device) if need_b else None
-    for c0 in range(0, v, cols):
-        cl = min(cols, v - c0)
-        x, lx = _chunk_logits(*buffers, hidden, weight, down, up, c0, cl)
-        fill_gradient(x, lx if down is not None else None, bias, *per_row, dbias, c0, opts, config,
-                      lora_grad=need_down or need_up)
-        # x now holds G [n, C] (input dtype); lx holds G in the adapter's dtype.
-        chunk = slice(c0, c0 + cl)
-        if need_h:
-            accumulate_mm(acc_h, x, weight[chunk])  # [n, C] @ [C, H]
-        columns(chunk, x, lx, dbias)
-        if need_down:
-            accumulate_mm(acc_down, lx, up[chunk])  # [n, C] @ [C, r]
-    return acc_h, acc_down
 
 
 class TritonBlocks(BlockMath):

@@ -123,7 +123,7 @@ def test_chunk_shapes_do_not_depend_on_n():
         assert len(rows) == 1 and next(iter(rows)) % 8 == 0, (v, rows)
     assert resolve_chunk_rows(5, 37, cuda, chunk_size=3, batch_invariant=True) == 8  # a multiple of 8 rows
     if HAS_TRITON:
-        from fusedalign.ops.triton_head import MIN_COLS, chunk_cols, row_blocks
+        from fusedalign.ops.triton_chunks import MIN_COLS, chunk_cols, row_blocks
 
         opts = HeadOptions(batch_invariant=True, chunk_rows=resolve_chunk_rows(1, 151_936, cuda, batch_invariant=True))
         widths = {chunk_cols(n, 151_936, opts) for n in (1, 9, 16_384, 1_506_304)}
@@ -153,12 +153,12 @@ def test_interpreter_rows_are_their_own():
 def interpreter_checks():
     """Run in the subprocess above: invariance in fp32 and bf16 (one block and several), and
     parity with the oracle in the mode (values, statistics, every gradient)."""
-    from fusedalign.ops import triton_head
+    from fusedalign.ops import triton_chunks
     from tests.unit.test_ops_triton import patch_interpreter
 
     patch_interpreter()
-    for min_cols in (triton_head.MIN_COLS, 24):  # 24: several vocabulary chunks of a fixed width
-        triton_head.MIN_COLS = min_cols
+    for min_cols in (triton_chunks.MIN_COLS, 24):  # 24: several vocabulary chunks of a fixed width
+        triton_chunks.MIN_COLS = min_cols
         for dtype in (torch.float32, torch.bfloat16):
             for shape in ("odd_everything", "plain"):
                 n, v, h, chunk, prob, opt = SHAPES[shape]

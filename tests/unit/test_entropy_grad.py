@@ -175,12 +175,12 @@ def test_interpreter_entropy_gradient_matches_the_reference():
 def interpreter_checks():
     """Run in the subprocess above: fp32 against the float64 reference in both backward
     regimes (one block; row blocks, forced by raising MIN_COLS), then the bf16 criterion."""
-    from fusedalign.ops import triton_head
+    from fusedalign.ops import triton_chunks
     from tests.unit.test_ops_triton import patch_interpreter
 
     patch_interpreter()
     for min_cols, row_blocked in ((1, False), (64, True)):
-        triton_head.MIN_COLS = min_cols
+        triton_chunks.MIN_COLS = min_cols
         for case in ("everything", "low_rank", "mixed_ignored", "random3"):
             n, v, h, chunk, prob, opt = ALL_CASES[case]
             p = make_problem(n, v, h, dtype=torch.float32, **prob)
@@ -198,11 +198,11 @@ def interpreter_checks():
 
 def scored_row_blocks(p, chunk) -> int:
     """How many row blocks the Triton backend takes the problem's scored rows in."""
-    from fusedalign.ops import triton_head
+    from fusedalign.ops import triton_chunks
     from fusedalign.ops.options import HeadOptions, resolve_chunk_rows
 
     n, v = int((p["labels"] != -100).sum()), p["weight"].shape[0]
-    return len(triton_head.row_blocks(n, v, HeadOptions(chunk_rows=resolve_chunk_rows(n, v, torch.device("cpu"), chunk))))
+    return len(triton_chunks.row_blocks(n, v, HeadOptions(chunk_rows=resolve_chunk_rows(n, v, torch.device("cpu"), chunk))))
 
 
 def interpreted_options(n: int, v: int, opts, chunk, has_lora: bool):
@@ -235,9 +235,9 @@ def interpreted_triton(hidden, weight, labels, bias, *, temperature, softcap, lo
 @pytest.mark.parametrize("min_cols", [1, 64], ids=["one_block", "row_blocks"])
 @pytest.mark.parametrize("case", ["everything", "low_rank", "mixed_ignored", "softcap", "random3", "vocab_prime"])
 def test_cuda_fp32_matches_the_reference(case, min_cols, monkeypatch):
-    from fusedalign.ops import triton_head
+    from fusedalign.ops import triton_chunks
 
-    monkeypatch.setattr(triton_head, "MIN_COLS", min_cols)
+    monkeypatch.setattr(triton_chunks, "MIN_COLS", min_cols)
     n, v, h, chunk, prob, opt = ALL_CASES[case]
     p = make_problem(n, v, h, dtype=torch.float32, **prob)
     assert (scored_row_blocks(p, chunk) > 1) == (min_cols > 1), case  # the regime under test runs

@@ -87,9 +87,9 @@ def test_cuda_values_and_grads_match_oracle(case, min_cols, monkeypatch):
     """min_cols=1: chunks over the vocabulary only, as the op runs on long vocabularies below
     ~57k rows; default: these small vocabularies are taken in row blocks whenever chunked."""
     if min_cols is not None:
-        from fusedalign.ops import triton_head
+        from fusedalign.ops import triton_chunks
 
-        monkeypatch.setattr(triton_head, "MIN_COLS", min_cols)
+        monkeypatch.setattr(triton_chunks, "MIN_COLS", min_cols)
     n, v, h, chunk, prob, opt = ALL_CASES[case]
     p = make_problem(n, v, h, dtype=torch.float32, **prob)
     opts = opts_of(**opt)
@@ -243,17 +243,17 @@ def test_cuda_auto_picks_triton_except_float64():
 def test_cuda_peak_memory_is_chunk_plus_accumulators(row_blocked, monkeypatch):
     """Vocabulary chunks: one chunk + the fp32 grad_h accumulator (n h 4). Row blocks: one
     chunk + the fp32 grad_W accumulator (V h 4) + one block's fp32 grad_h."""
-    from fusedalign.ops import triton_head
+    from fusedalign.ops import triton_chunks
 
     n, v, h = 4096, 32000, 256
     budget = 8 * 2**20  # 65 rows of V: chunks of ~507 columns at n = 4096
-    monkeypatch.setattr(triton_head, "MIN_COLS", 1024 if row_blocked else 1)
+    monkeypatch.setattr(triton_chunks, "MIN_COLS", 1024 if row_blocked else 1)
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(n, h, generator=gen).cuda().bfloat16().requires_grad_()
     weight = (torch.randn(v, h, generator=gen) / 16).cuda().bfloat16().requires_grad_()
     labels = torch.randint(0, v, (n,), generator=gen).cuda()
     g = torch.randn(n, generator=gen).cuda()
-    blocks = triton_head.row_blocks(n, v, HeadOptions(chunk_rows=resolve_chunk_rows(
+    blocks = triton_chunks.row_blocks(n, v, HeadOptions(chunk_rows=resolve_chunk_rows(
         n, v, torch.device("cuda"), memory_budget_bytes=budget)))
     assert (len(blocks) > 1) == row_blocked
 
@@ -284,12 +284,12 @@ def test_cuda_peak_memory_is_chunk_plus_accumulators(row_blocked, monkeypatch):
 def test_cuda_row_blocks_match_oracle(case, monkeypatch):
     """Long inputs are taken in row blocks (grad_W, grad_b, grad_up summed over blocks in fp32):
     forced here on small problems by raising the narrowest chunk the op accepts."""
-    from fusedalign.ops import triton_head
+    from fusedalign.ops import triton_chunks
 
-    monkeypatch.setattr(triton_head, "MIN_COLS", 24)
+    monkeypatch.setattr(triton_chunks, "MIN_COLS", 24)
     n, v, h, chunk, prob, opt = ALL_CASES[case]
     p = make_problem(n, v, h, dtype=torch.float32, **prob)
-    assert len(triton_head.row_blocks(n, v, HeadOptions(chunk_rows=chunk))) > 1, case
+    assert len(triton_chunks.row_blocks(n, v, HeadOptions(chunk_rows=chunk))) > 1, case
     opts = opts_of(**opt)
     pd = on(p, "cuda")
     out, grads = run_op(pd, opts, "triton", chunk_size=chunk)
@@ -299,7 +299,7 @@ def test_cuda_row_blocks_match_oracle(case, monkeypatch):
 def test_row_blocks_keep_chunks_wide_on_long_inputs():
     """At V = 151,936 and the CUDA budget: one block up to ~57k rows (the regime the kernels
     were tuned in), then blocks whose chunks are >= MIN_COLS wide, covering every row once."""
-    from fusedalign.ops.triton_head import MIN_COLS, chunk_cols, row_blocks
+    from fusedalign.ops.triton_chunks import MIN_COLS, chunk_cols, row_blocks
 
     v, cuda = 151_936, torch.device("cuda")
     for n in (1, 16_384, 28_672, 56_000):
@@ -474,12 +474,12 @@ def _interpreted_parity(cases, *, min_cols: int, bf16_min_cols: int, bf16_blocks
     """fp32 parity (values, statistics, every gradient) on `cases` with MIN_COLS = min_cols,
     then the bf16 criterion on one problem taken in `bf16_blocks` row blocks."""
     patch_interpreter()
-    from fusedalign.ops import triton_head
+    from fusedalign.ops import triton_chunks
 
-    triton_head.MIN_COLS = min_cols
+    triton_chunks.MIN_COLS = min_cols
     for case in cases:
         n, v, h, chunk, prob, opt = ALL_CASES[case]
-        blocks = triton_head.row_blocks(n, v, HeadOptions(chunk_rows=resolve_chunk_rows(n, v, torch.device("cpu"), chunk)))
+        blocks = triton_chunks.row_blocks(n, v, HeadOptions(chunk_rows=resolve_chunk_rows(n, v, torch.device("cpu"), chunk)))
         assert (len(blocks) > 1) == (min_cols > 1), case  # the path under test really runs
         p = make_problem(n, v, h, dtype=torch.float32, **prob)
         opts = opts_of(**opt)
@@ -490,10 +490,10 @@ def _interpreted_parity(cases, *, min_cols: int, bf16_min_cols: int, bf16_blocks
         assert rel_err(out.logit_mean, want_mean) <= 1e-6, case
         assert torch.equal(out.argmax_match, want_match), case
 
-    triton_head.MIN_COLS = bf16_min_cols
+    triton_chunks.MIN_COLS = bf16_min_cols
     p = make_problem(48, 150, 32, dtype=torch.bfloat16, bias=True, rank=4, ignore_frac=0.2,
                      logit_std=4.0, seed=7)
-    assert len(triton_head.row_blocks(48, 150, HeadOptions(chunk_rows=9))) == bf16_blocks
+    assert len(triton_chunks.row_blocks(48, 150, HeadOptions(chunk_rows=9))) == bf16_blocks
     opts = opts_of(temperature=0.9, softcap=6.0, logit_scale=1.1, lr_scale=0.5)
     truth, truth_grads, _ = run_oracle(p, opts)
     naive, naive_grads, _ = run_oracle(p, opts, as_dtype=torch.bfloat16, upcast=torch.float32)
