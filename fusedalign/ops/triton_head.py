@@ -52,14 +52,8 @@ from fusedalign.ops.blocks import BlockForward, BlockMath
 from fusedalign.ops.gemm import HALF as _HALF
 from fusedalign.ops.options import HeadOptions, HeadOutput, LowRank
 from fusedalign.ops.registry import Backend, register_backend
-from fusedalign.ops.triton_chunks import (  # noqa: F401  (MIN_COLS, invariant_shape: the backend's shape, named here too)
-    MIN_COLS,
-    chunk_buffers,
-    chunk_cols,
-    chunk_logits,
-    invariant_shape,
-    row_blocks,
-)
+from fusedalign.ops.triton_chunks import MIN_COLS  # noqa: F401  (the backend's narrowest chunk, named here too)
+from fusedalign.ops.triton_chunks import chunk_buffers, chunk_cols, chunk_logits, invariant_shape, row_blocks
 from fusedalign.ops.triton_head_backward import backward
 from fusedalign.ops.triton_launch import (
     BWD_BIAS_CONFIG,

@@ -19,7 +19,7 @@ import torch
 
 from fusedalign.data.grpo import completion_batch
 from fusedalign.trainers.grpo_batch import GRPOMicroBatch
-from fusedalign.trainers.grpo_packed_batch import PackedLayout
+from fusedalign.trainers.grpo_packed_layout import PackedLayout
 from fusedalign.trainers.step_batch import MicroBatchParts
 
 
