@@ -226,7 +226,7 @@ def main(argv=None) -> int:
         losses = [e["loss"] for e in results.get(name, {}).get("logs") or [] if "loss" in e]
         if losses:
             by_step.append(f"loss by step, {name}: " + ", ".join(f"{x:.8g}" for x in losses))
-        by_step += [f"  {name}: {line}" for line in distill.part_lines(os.path.join(args.log_dir, f"out-{name}"))]
+        by_step += [f"  {name}: {line}" for line in distill.part_lines(rollout.output_dir(args.log_dir, name))]
     for line in by_step:
         log(line)
     with open(args.json_out or os.path.join(args.log_dir, "results.json"), "w") as f:

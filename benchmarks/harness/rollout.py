@@ -99,7 +99,12 @@ def memory_snapshots(results: dict[str, dict]) -> list[str]:
 
 def worker_dir(args, name: str) -> str:
     """The output directory of configuration `name`'s trainer, beside its result file."""
-    return os.path.join(os.path.dirname(os.path.abspath(args.result)), f"out-{name}")
+    return output_dir(os.path.dirname(os.path.abspath(args.result)), name)
+
+
+def output_dir(log_dir: str, name: str) -> str:
+    """Configuration `name`'s trainer output directory in `log_dir` (where `launch_all` puts its result)."""
+    return os.path.join(log_dir, f"out-{name}")
 
 
 def launch_all(args, script: str, tag: str, skipped: dict[str, str | None], worker_flags: list[str],

@@ -15,6 +15,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import e2e_distill  # noqa: E402
 from benchmarks.builders import distill  # noqa: E402
+from benchmarks.harness import rollout  # noqa: E402
 from benchmarks.builders.model import QWEN05B, QWEN15B, model_config  # noqa: E402
 
 
@@ -87,6 +88,9 @@ def test_worker_trains_ours_on_completions_of_the_stated_lengths(tmp_path):
         assert [e[key] for e in p["logs"]] == pytest.approx([e[key] for e in r["logs"]], rel=1e-4, abs=1e-6), key
     # --log_parts: each part's divergence sum and tokens; a step's sums over its tokens are its logged loss.
     parts = [json.loads(line) for line in (tmp_path / "out-ours_padding_free" / distill.PARTS_FILE).open()]
+    # What the parent prints after the table: one line a step, found where the worker wrote.
+    lines = distill.part_lines(rollout.output_dir(str(tmp_path), "ours_padding_free"))
+    assert [line.split(" parts")[0] for line in lines] == [f"step {n}" for n in sorted({x["step"] for x in parts})]
     for step, entry in enumerate((e for e in p["logs"] if "loss" in e), start=1):
         mine = [x for x in parts if x["step"] == step]
         assert len(mine) > 1 and all(x["dtype"] == "torch.float32" for x in mine)
