@@ -207,8 +207,8 @@ def main(argv=None) -> int:
     args.log_dir = os.path.abspath(args.log_dir or tempfile.mkdtemp(prefix="e2e_distill-"))
     os.makedirs(args.log_dir, exist_ok=True)
     made = build_models(args)
-    flags = rollout.forwarded(args, FORWARDED, ("gradient_checkpointing", "tiny", "memory_snapshot",
-                                                               "log_parts"))
+    flags = rollout.forwarded(args, FORWARDED, ("gradient_checkpointing", "tiny", "memory_snapshot", "profile",
+                                                "log_parts"))
     try:
         results = rollout.launch_all(args, __file__, "distill", skipped, flags, table)
     finally:
@@ -220,7 +220,7 @@ def main(argv=None) -> int:
     log(f"first step (trl and ours_generate train on the same completions): {verdict}")
     for line in lines:
         log("  " + line)
-    snapshots = rollout.memory_snapshots(results)
+    snapshots = rollout.memory_snapshots(results) + rollout.profiles(results)
     by_step = []
     for name in args.configs:
         losses = [e["loss"] for e in results.get(name, {}).get("logs") or [] if "loss" in e]

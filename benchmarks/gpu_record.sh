@@ -39,15 +39,18 @@
 # PARTS=distill_memory (about 3 minutes, with its teacher: ours padding-free with checkpointing, and
 # what is alive at the peak of one more step, by the line that allocated it); PARTS=distill_parts
 # (about 3 minutes: ours padding-free alone, each micro-batch part's divergence sum and tokens by
-# step, to see whether a repeated step loss repeats part by part).
+# step, to see whether a repeated step loss repeats part by part); PARTS=grpo_profile (about 5
+# minutes: GRPO's training alone at 64 x 8 x 256, completions of random ids in place of
+# generation, ours padded and packed with the prompt shared against TRL, and one more step of
+# each under torch.profiler: wall time against GPU busy time, kernels by kind).
 set -u
 OUT=${OUT:-$PWD/bench-out}
 MODEL=${MODEL:-/tmp/bench-model}
 TEACHER=${TEACHER:-/tmp/bench-teacher}
 PARTS=${PARTS:-"decode grpo generation"}
-SNAPSHOT="--memory_snapshot"  # the CUDA allocator's history: GPU only
+SNAPSHOT="--memory_snapshot"; PROFILE="--profile"  # the CUDA allocator's history, CUDA kernels: GPU only
 if [ "${TINY:-0}" = 1 ]; then X="--device cpu --tiny"; SHAPE="tiny=True, dtype='fp32'"; GRPO_REAL=""; BATCH=4; BATCHES=4
-     SNAPSHOT=""
+     SNAPSHOT=""; PROFILE=""
      GRPO_BUDGET=64; DISTILL_BUDGET=0; LONGEST="--search_step 8 --search_max 32"
      OFFLOAD="--gradient_checkpointing"  # offload pins host memory, which a CPU-only machine cannot
      TRITON=""  # the Triton kernel runs on CUDA only
@@ -109,6 +112,9 @@ part grpo_real 200 python3 benchmarks/e2e_grpo.py $X --configs ours ours_shared_
 part grpo_longest 540 python3 benchmarks/e2e_grpo.py $X --longest_search --configs ours_shared_prompt trl \
     --max_tokens_per_batch 0 $LONGEST --model_dir "$MODEL" --log_dir "$LOGS/grpo_longest" \
     --markdown_out "$OUT/grpo_longest.md"
+part grpo_profile 300 python3 benchmarks/e2e_grpo.py $X --configs ours ours_shared_prompt trl --random_completions \
+    $PROFILE --warmup_steps 1 --timed_steps 1 --max_tokens_per_batch $GRPO_BUDGET \
+    --model_dir "$MODEL" --log_dir "$LOGS/grpo_profile" --markdown_out "$OUT/grpo_profile.md"
 part compiled_decode 120 python3 benchmarks/decode_profile.py $X --batches $BATCH --repeats 5 --compile \
     --model_dir "$MODEL" --markdown_out "$OUT/compiled_decode.md"
 part attention 90 python3 benchmarks/decode_attention.py $X --repeats 20 --markdown_out "$OUT/attention.md"

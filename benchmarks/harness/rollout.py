@@ -13,7 +13,7 @@ from typing import Any, Callable
 from benchmarks.builders import ending
 from benchmarks.harness import runner
 from benchmarks.harness.env import log
-from benchmarks.harness.profiling import MemoryPeakStep
+from benchmarks.harness.profiling import MemoryPeakStep, ProfileStep, format_profile
 from benchmarks.harness.step_memory import StepMemory
 from benchmarks.harness.tables import write_markdown
 from benchmarks.harness.timing import (GenerationSplit, Timers, device_sync, steady, step_timer,
@@ -38,14 +38,13 @@ def run_worker(args, name: str, build: Callable[[Any, Timers], Any], completions
     timers = Timers(device_sync(cuda))
     memory = StepMemory() if cuda else None  # the rest between steps and each step's rise above it
     timed_end = args.warmup_steps + args.timed_steps
-    # --memory_snapshot: the allocator's history over one more step after the timed ones.
-    snapshot = MemoryPeakStep(timed_end, None) if cuda and getattr(args, "memory_snapshot", False) else None
+    snapshot, profile = step_records(args, cuda, timed_end)
     peak = (lambda: memory.overall() / 2**30) if cuda else (lambda: None)
     with runner.worker_result(args.result, peak) as result:
         result.update(config=name)
         set_seed(args.seed)
         split = GenerationSplit(timers)
-        callback = step_timer(timers.sync, [hook for hook in (split, memory, snapshot) if hook is not None])
+        callback = step_timer(timers.sync, [hook for hook in (split, memory, snapshot, profile) if hook is not None])
         with timers("init"):
             trainer = build(callback, timers)
             more = instrument(trainer, callback) if instrument is not None else dict
@@ -66,22 +65,40 @@ def run_worker(args, name: str, build: Callable[[Any, Timers], Any], completions
                       **(memory.summary(timed) if memory is not None else {}), **more())
         if snapshot is not None:
             result["memory"] = snapshot.result
-    log(json.dumps({k: v for k, v in result.items() if k not in ("logs", "step_times", "memory")}))
+        if profile is not None:
+            result["profile"] = profile.result
+    log(json.dumps({k: v for k, v in result.items() if k not in ("logs", "step_times", "memory", "profile")}))
     return 0 if result["status"] in ("ok", "OOM") else 1
 
 
+def step_records(args, cuda: bool, timed_end: int) -> tuple[MemoryPeakStep | None, ProfileStep | None]:
+    """The hooks of the steps after the timed ones (neither is timed): --memory_snapshot's
+    allocator history over step `timed_end`, then --profile's torch.profiler over the next."""
+    snapshot = MemoryPeakStep(timed_end, None) if cuda and getattr(args, "memory_snapshot", False) else None
+    profile = (ProfileStep(timed_end + int(snapshot is not None)) if cuda and getattr(args, "profile", False)
+               else None)
+    return snapshot, profile
+
+
 def add_memory_snapshot_flag(parser) -> None:
-    """`--memory_snapshot`: what is alive at the peak of one more step after the timed ones."""
+    """`--memory_snapshot`: what is alive at the peak of one more step after the timed ones;
+    `--profile`: where the GPU time of one more step goes."""
     parser.add_argument("--memory_snapshot", action="store_true",
                         help="record the CUDA allocator's history over one more step after the timed ones and "
                              "list what is alive at its peak, by the line that allocated it (GPU only)")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile one more step after the timed ones (and after --memory_snapshot's) with "
+                             "torch.profiler: its wall time against the GPU's busy time, its CUDA kernels by kind "
+                             "and the top kernels (GPU only; with --random_completions the step is training alone)")
 
 
 def check_memory_snapshot(parser, args) -> None:
-    """Refuses --memory_snapshot off CUDA, and makes room for its step."""
-    if args.memory_snapshot and args.device != "cuda":
-        parser.error("--memory_snapshot records the CUDA allocator's history: it needs --device cuda")
-    args.total_steps = args.warmup_steps + args.timed_steps + int(args.memory_snapshot)
+    """Refuses --memory_snapshot and --profile off CUDA, and makes room for their steps."""
+    for flag, what in (("memory_snapshot", "records the CUDA allocator's history"),
+                       ("profile", "lists the step's CUDA kernels")):
+        if getattr(args, flag) and args.device != "cuda":
+            parser.error(f"--{flag} {what}: it needs --device cuda")
+    args.total_steps = args.warmup_steps + args.timed_steps + int(args.memory_snapshot) + int(args.profile)
 
 
 def memory_snapshots(results: dict[str, dict]) -> list[str]:
@@ -93,6 +110,18 @@ def memory_snapshots(results: dict[str, dict]) -> list[str]:
     for name, r in results.items():
         if r.get("memory"):
             texts.append(f"#### memory at the peak of the recorded step, {name}\n\n{format_breakdown(r['memory'])}")
+            log("\n" + texts[-1] + "\n")
+    return texts
+
+
+def profiles(results: dict[str, dict], top: int = 25) -> list[str]:
+    """With --profile: each configuration's profiled step (wall against GPU busy time, kernels
+    by kind, the top kernels), as markdown (logged too)."""
+    texts = []
+    for name, r in results.items():
+        if r.get("profile"):
+            lines = format_profile(r["profile"], top)
+            texts.append(f"#### the profiled step, {name}\n\n```\n" + "\n".join(lines) + "\n```")
             log("\n" + texts[-1] + "\n")
     return texts
 

@@ -48,16 +48,49 @@ def test_table_sets_speed_and_memory_against_trl():
     assert ", gradient checkpointing, ours_padding_free in rows of one sequence," in title
 
 
-def test_memory_snapshot_takes_one_more_step_and_needs_a_gpu(capsys):
+def test_memory_snapshot_and_profile_take_one_more_step_each_and_need_a_gpu(capsys):
     from benchmarks import e2e_grpo
 
     for script in (e2e_distill, e2e_grpo):
-        with pytest.raises(SystemExit):
-            script.parse_args(["--device", "cpu", "--tiny", "--memory_snapshot"])
-        assert "--memory_snapshot records the CUDA allocator's history" in capsys.readouterr().err
+        for flag, said in (("--memory_snapshot", "records the CUDA allocator's history"),
+                           ("--profile", "lists the step's CUDA kernels")):
+            with pytest.raises(SystemExit):
+                script.parse_args(["--device", "cpu", "--tiny", flag])
+            assert f"{flag} {said}: it needs --device cuda" in capsys.readouterr().err
         plain = script.parse_args(["--device", "cuda", "--tiny", "--timed_steps", "2"])
         recorded = script.parse_args(["--device", "cuda", "--tiny", "--timed_steps", "2", "--memory_snapshot"])
         assert recorded.total_steps == plain.total_steps + 1 == plain.warmup_steps + 3
+        both = script.parse_args(["--device", "cuda", "--tiny", "--timed_steps", "2", "--memory_snapshot",
+                                  "--profile"])
+        assert both.total_steps == plain.total_steps + 2
+
+
+def test_the_snapshot_and_the_profile_record_the_steps_after_the_timed_ones_in_turn():
+    from types import SimpleNamespace
+
+    from benchmarks.harness.profiling import MemoryPeakStep, ProfileStep
+    from benchmarks.harness.rollout import step_records
+
+    snapshot, profile = step_records(SimpleNamespace(memory_snapshot=True, profile=True), True, 5)
+    assert isinstance(snapshot, MemoryPeakStep) and isinstance(profile, ProfileStep)
+    assert (snapshot.step, profile.step) == (5, 6)
+    snapshot, profile = step_records(SimpleNamespace(memory_snapshot=False, profile=True), True, 5)
+    assert snapshot is None and profile.step == 5
+    assert step_records(SimpleNamespace(memory_snapshot=True, profile=True), False, 5) == (None, None)
+
+
+def test_the_on_policy_benchmarks_print_each_profiled_step_under_its_configuration():
+    from benchmarks.harness.rollout import profiles
+
+    prof = {"step_ms": 812.5, "gpu_busy_ms": 301.25, "by_kind": {"GEMM": 200.0, "attention": 101.25},
+            "top": [{"kernel": "nvjet_tst_128x256", "ms": 150.0, "calls": 48},
+                    {"kernel": "flex_attention_backward", "ms": 90.5, "calls": 24}]}
+    texts = profiles({"ours": {"status": "ok"}, "ours_shared_prompt": {"status": "ok", "profile": prof},
+                      "trl": {"status": "OOM", "profile": None}}, top=1)
+    assert len(texts) == 1 and texts[0].startswith("#### the profiled step, ours_shared_prompt\n\n```\n")
+    body = texts[0].splitlines()
+    assert "812.5 ms wall, GPU kernels 301.2 ms; by kind: GEMM 200.0, attention 101.2;" in body[3]
+    assert body[4].split() == ["150.000", "ms", "48x", "nvjet_tst_128x256"] and body[5] == "```"
 
 
 @pytest.mark.slow
