@@ -19,7 +19,9 @@
 # minutes: ours padding-free under a 4,096-token budget against TRL), PARTS=distill_checkpointing
 # (the same with gradient checkpointing in both, TRL's default), PARTS=distill_padded (about 3
 # minutes: ours in its default, padded layout, alone; the three in one part ran past ten minutes),
-# PARTS="e2e_dpo real_lengths grpo_real" (about 9 minutes), PARTS=grpo_longest (at most 9
+# PARTS="e2e_dpo real_lengths" (about 6 minutes), PARTS=grpo_real (at most 9 minutes: GRPO at 8 x 8
+# completions of log-normal lengths up to 2,048 tokens, ours padded and packed against TRL, whose
+# generate runs every step to the longest completion), PARTS=grpo_longest (at most 9
 # minutes: the longest completion ours (one completion a row) and TRL train at 8 x 8),
 # PARTS="compiled_decode attention compiled_generation compiled_grpo" (at most 9 min 20 s:
 # StaticDecode's step compiled by inductor against the uncompiled one, by part, in generation
@@ -49,7 +51,8 @@ MODEL=${MODEL:-/tmp/bench-model}
 TEACHER=${TEACHER:-/tmp/bench-teacher}
 PARTS=${PARTS:-"decode grpo generation"}
 SNAPSHOT="--memory_snapshot"; PROFILE="--profile"  # the CUDA allocator's history, CUDA kernels: GPU only
-if [ "${TINY:-0}" = 1 ]; then X="--device cpu --tiny"; SHAPE="tiny=True, dtype='fp32'"; GRPO_REAL=""; BATCH=4; BATCHES=4
+if [ "${TINY:-0}" = 1 ]; then X="--device cpu --tiny"; SHAPE="tiny=True, dtype='fp32'"; BATCH=4; BATCHES=4
+     GRPO_REAL="--completion_lengths lognormal:4:7"  # uneven lengths at the tiny scale
      SNAPSHOT=""; PROFILE=""
      GRPO_BUDGET=64; DISTILL_BUDGET=0; LONGEST="--search_step 8 --search_max 32"
      OFFLOAD="--gradient_checkpointing"  # offload pins host memory, which a CPU-only machine cannot
@@ -106,7 +109,7 @@ part e2e_dpo 200 python3 benchmarks/e2e_dpo.py $X --lengths 2048 4096 --configs 
 part real_lengths 150 python3 benchmarks/e2e_dpo.py $X --real_lengths ultrafeedback --warmup_steps 2 --timed_steps 2 \
     --configs trl_liger ours_shared_prompt_flex trl_liger_grouped \
     --model_dir "$MODEL" --log_dir "$LOGS/real_lengths" --markdown_out "$OUT/real_lengths.md"
-part grpo_real 200 python3 benchmarks/e2e_grpo.py $X --configs ours ours_shared_prompt trl $GRPO_REAL \
+part grpo_real 540 python3 benchmarks/e2e_grpo.py $X --configs ours ours_shared_prompt trl $GRPO_REAL \
     --warmup_steps 1 --timed_steps 2 --max_tokens_per_batch $GRPO_BUDGET \
     --model_dir "$MODEL" --log_dir "$LOGS/grpo_real" --markdown_out "$OUT/grpo_real.md"
 part grpo_longest 540 python3 benchmarks/e2e_grpo.py $X --longest_search --configs ours_shared_prompt trl \
