@@ -26,9 +26,10 @@
 # PARTS="compiled_decode attention compiled_generation compiled_grpo" (at most 9 min 20 s:
 # StaticDecode's step compiled by inductor against the uncompiled one, by part, in generation
 # and in GRPO; and one step's attention computed seven ways, decode_attention.py, the Triton
-# kernel among them); PARTS="grpo_checkpointing grpo_offload" (about 8 minutes: GRPO at 64 x 8 x 256
+# kernel among them); PARTS="grpo_checkpointing grpo_offload" (at most 9 minutes: GRPO at 64 x 8 x 256
 # with gradient checkpointing, then with its layers' inputs offloaded to host memory, ours padded
-# and packed against TRL); PARTS="triton_decode triton_generation" (about 4 minutes: the decoding
+# and packed (a budget of 32,768 tokens: one row a micro-batch) against TRL);
+# PARTS="triton_decode triton_generation" (about 4 minutes: the decoding
 # step with the Triton attention kernel, by part, and generation with it, alone and with the step
 # compiled and the draw inside the head); PARTS="fused_decode triton_configs" (about 8 minutes: the
 # step at batch 512 with the Triton kernel, compiled, with and without the draw inside the head;
@@ -54,10 +55,16 @@ SNAPSHOT="--memory_snapshot"; PROFILE="--profile"  # the CUDA allocator's histor
 if [ "${TINY:-0}" = 1 ]; then X="--device cpu --tiny"; SHAPE="tiny=True, dtype='fp32'"; BATCH=4; BATCHES=4
      GRPO_REAL="--completion_lengths lognormal:4:7"  # uneven lengths at the tiny scale
      SNAPSHOT=""; PROFILE=""
-     GRPO_BUDGET=64; DISTILL_BUDGET=0; LONGEST="--search_step 8 --search_max 32"
+     GRPO_BUDGET=64; CKPT_BUDGET=64; DISTILL_BUDGET=0; LONGEST="--search_step 8 --search_max 32"
      OFFLOAD="--gradient_checkpointing"  # offload pins host memory, which a CPU-only machine cannot
      TRITON=""  # the Triton kernel runs on CUDA only
 else X=""; SHAPE="tiny=False, dtype='bf16', device='cuda'"; BATCH=512; BATCHES="64 256 512"; GRPO_BUDGET=8192; DISTILL_BUDGET=4096
+     # With gradient checkpointing a packed token holds its layers' inputs only (43 KB at this
+     # shape, against about 1.7 MB without: 10.3 GiB a step's rise for rows of at most 6,528
+     # tokens at db70797): a budget above a micro-batch's 17,408 tokens (8 groups
+     # of 128 + 8 x 256 with the prompt shared) trains each micro-batch as one row, 8 forwards a
+     # step as the padded trainers run, instead of 24 rows of at most 8,192.
+     CKPT_BUDGET=32768
      OFFLOAD="--checkpoint_offload"; TRITON="--decode_kernel triton"
      LONGEST="--search_step 4096 --search_max 65536"
      GRPO_REAL="--prompts 8 --completion_lengths lognormal:300:1500 --new_tokens 2048 --per_device_train_batch_size 8"; fi
@@ -130,11 +137,11 @@ part fast_grpo 300 python3 benchmarks/e2e_grpo.py $X --configs ours ours_compile
 part compiled_grpo 200 python3 benchmarks/e2e_grpo.py $X --configs ours ours_compiled \
     --warmup_steps 1 --timed_steps 2 --model_dir "$MODEL" --log_dir "$LOGS/compiled_grpo" \
     --markdown_out "$OUT/compiled_grpo.md"
-part grpo_checkpointing 240 python3 benchmarks/e2e_grpo.py $X --configs ours ours_shared_prompt trl \
-    --gradient_checkpointing --warmup_steps 1 --timed_steps 2 --max_tokens_per_batch $GRPO_BUDGET \
+part grpo_checkpointing 270 python3 benchmarks/e2e_grpo.py $X --configs ours ours_shared_prompt trl \
+    --gradient_checkpointing --warmup_steps 1 --timed_steps 2 --max_tokens_per_batch $CKPT_BUDGET \
     --model_dir "$MODEL" --log_dir "$LOGS/grpo_checkpointing" --markdown_out "$OUT/grpo_checkpointing.md"
-part grpo_offload 240 python3 benchmarks/e2e_grpo.py $X --configs ours ours_shared_prompt trl \
-    $OFFLOAD --warmup_steps 1 --timed_steps 2 --max_tokens_per_batch $GRPO_BUDGET \
+part grpo_offload 270 python3 benchmarks/e2e_grpo.py $X --configs ours ours_shared_prompt trl \
+    $OFFLOAD --warmup_steps 1 --timed_steps 2 --max_tokens_per_batch $CKPT_BUDGET \
     --model_dir "$MODEL" --log_dir "$LOGS/grpo_offload" --markdown_out "$OUT/grpo_offload.md"
 part triton_decode 60 python3 benchmarks/decode_profile.py $X --batches $BATCHES --repeats 5 --kernels 8 \
     $TRITON --model_dir "$MODEL" --markdown_out "$OUT/triton_decode.md"
