@@ -95,7 +95,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--teacher_dir", default=None, help="reuse a saved teacher")
     a("--worker", choices=list(distill.RUNS), default=None, help=argparse.SUPPRESS)
     a("--result", default=None, help=argparse.SUPPRESS)
-    rollout.add_memory_snapshot_flag(p)
+    rollout.add_step_record_flags(p)
     args = p.parse_args(argv)
     if args.device is None:
         import torch
@@ -114,7 +114,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("need --warmup_steps >= 1 and --timed_steps >= 1")
     if not 0.0 <= args.beta <= 1.0:
         p.error(f"--beta must be in [0, 1]; got {args.beta}")
-    rollout.check_memory_snapshot(p, args)
+    rollout.check_step_records(p, args)
     try:
         args.fit = ending.parse_fit(args.completion_lengths)
     except ValueError as error:

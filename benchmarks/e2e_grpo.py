@@ -94,7 +94,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--model_dir", default=None, help="reuse a saved model")
     a("--worker", choices=list(grpo.RUNS), default=None, help=argparse.SUPPRESS)
     a("--result", default=None, help=argparse.SUPPRESS)
-    rollout.add_memory_snapshot_flag(p)
+    rollout.add_step_record_flags(p)
     args = p.parse_args(argv)
     if args.device is None:
         import torch
@@ -120,7 +120,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                 f"--per_device_train_batch_size {args.per_device_train_batch_size}")
     if args.warmup_steps < 1 or args.timed_steps < 1:
         p.error("need --warmup_steps >= 1 and --timed_steps >= 1")
-    rollout.check_memory_snapshot(p, args)
+    rollout.check_step_records(p, args)
     try:
         args.fit = ending.parse_fit(args.completion_lengths)
     except ValueError as error:

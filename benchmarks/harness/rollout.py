@@ -80,7 +80,7 @@ def step_records(args, cuda: bool, timed_end: int) -> tuple[MemoryPeakStep | Non
     return snapshot, profile
 
 
-def add_memory_snapshot_flag(parser) -> None:
+def add_step_record_flags(parser) -> None:
     """`--memory_snapshot`: what is alive at the peak of one more step after the timed ones;
     `--profile`: where the GPU time of one more step goes."""
     parser.add_argument("--memory_snapshot", action="store_true",
@@ -89,10 +89,10 @@ def add_memory_snapshot_flag(parser) -> None:
     parser.add_argument("--profile", action="store_true",
                         help="profile one more step after the timed ones (and after --memory_snapshot's) with "
                              "torch.profiler: its wall time against the GPU's busy time, its CUDA kernels by kind "
-                             "and the top kernels (GPU only; with --random_completions the step is training alone)")
+                             "and the top kernels (GPU only)")
 
 
-def check_memory_snapshot(parser, args) -> None:
+def check_step_records(parser, args) -> None:
     """Refuses --memory_snapshot and --profile off CUDA, and makes room for their steps."""
     for flag, what in (("memory_snapshot", "records the CUDA allocator's history"),
                        ("profile", "lists the step's CUDA kernels")):
