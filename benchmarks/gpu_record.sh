@@ -11,6 +11,8 @@
 # A part that runs past its limit is stopped (with its subprocesses); what it measured
 # until then is in its .md (tables are rewritten after each configuration) and its log.
 # TINY=1 runs the same parts on the CPU with the tiny model (a check that each one starts).
+# DRY=1 prints each part's command instead of running it (tests/unit/test_gpu_record.py parses
+# every one with its script's own argument parser, so a GPU session never meets a bad flag).
 # PARTS names the parts to run (default: decode grpo generation, at most 8 minutes together);
 # the others are commands of their own: PARTS=dpo_flex (at most 6 minutes: DPO at UltraFeedback
 # lengths, packed rows on flex attention against TRL + Liger at a micro-batch of 8 pairs; each
@@ -90,6 +92,7 @@ part() {  # part NAME SECONDS COMMAND...
     local name=$1 limit=$2 t0=$SECONDS rc
     shift 2
     wanted "$name" || return 0
+    if [ "${DRY:-0}" = 1 ]; then echo "DRY $name $limit $(printf '%q ' "$@")"; return 0; fi
     timeout -k 5 "$limit" "$@" > "$LOGS/$name.log" 2>&1
     rc=$?
     echo "$name: rc=$rc after $((SECONDS - t0)) s (limit $limit s)" | tee -a "$OUT/summary.txt"
@@ -170,6 +173,6 @@ part distill_parts 240 python3 benchmarks/e2e_distill.py $X --configs ours_paddi
 part distill_padded 200 python3 benchmarks/e2e_distill.py $X --configs ours \
     --model_dir "$MODEL" --teacher_dir "$TEACHER" --log_dir "$LOGS/distill_padded" --markdown_out "$OUT/distill_padded.md"
 kill $PACKER 2>/dev/null; wait $PACKER 2>/dev/null; pack
-rm -rf "$LOGS" "$MODEL" "$TEACHER"
+rm -rf "$LOGS"; [ "${DRY:-0}" = 1 ] || rm -rf "$MODEL" "$TEACHER"
 cat "$OUT/machine.txt" "$OUT/summary.txt"
 for f in $PARTS; do echo; cat "$OUT/$f.md" 2>/dev/null || tar -xzOf "$OUT/logs.tar.gz" "./$f.log" 2>/dev/null | tail -5; done
