@@ -9,10 +9,13 @@ import shutil
 # Kernel kinds, by name (first match wins): what any implementation of the same
 # computation must run (GEMMs, attention) against what differs between them.
 KERNEL_KINDS = (
-    ("GEMM", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitkreduce")),
+    ("GEMM", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitkreduce", "tem_fused_mm", "tem_fused_addmm",
+              "tem_fused_bmm")),
     ("head element-wise", ("chunk_kernel", "logprob")),
+    # Before inductor's kinds: compiled flex attention is an inductor template kernel
+    # (triton_tem_fused_flex_attention_0, and its backward); _grouped_decode is our decode kernel.
+    ("attention", ("flex_attention", "flex_decoding", "flash", "fmha", "cudnn", "attn", "sdpa", "_grouped_decode")),
     ("compiled element-wise (inductor)", ("triton_poi", "triton_per", "triton_red", "triton_tem")),
-    ("attention", ("flash", "fmha", "cudnn", "attn", "sdpa")),
     ("optimizer and clipping", ("adam", "multi_tensor", "foreach", "lpnorm")),
     ("Liger layer kernels", ("rms_norm", "swiglu", "rope", "liger")),
 )

@@ -87,6 +87,11 @@ def test_kernel_kinds_of_a_profile():
     assert kernel_kind("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma") == "attention"
     assert kernel_kind("bwd_chunk_kernel") == "head element-wise"
     assert kernel_kind("triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0") == "compiled element-wise (inductor)"
+    # Compiled flex attention is an inductor template kernel: attention all the same, and ours too.
+    assert kernel_kind("triton_tem_fused_flex_attention_0") == "attention"
+    assert kernel_kind("triton_tem_fused_flex_attention_backward_1") == "attention"
+    assert kernel_kind("triton_tem_fused_addmm_0") == "GEMM"  # inductor's own matmul template
+    assert kernel_kind("_grouped_decode") == "attention"
     assert kernel_kind("void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>") == "optimizer and clipping"
     assert kernel_kind("void at::native::vectorized_elementwise_kernel<4, copy>").startswith("other")
 
