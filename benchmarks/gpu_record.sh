@@ -47,7 +47,11 @@
 # step, to see whether a repeated step loss repeats part by part); PARTS=grpo_profile (about 5
 # minutes: GRPO's training alone at 64 x 8 x 256, completions of random ids in place of
 # generation, ours padded and packed with the prompt shared against TRL, and one more step of
-# each under torch.profiler: wall time against GPU busy time, kernels by kind).
+# each under torch.profiler: wall time against GPU busy time, kernels by kind); PARTS=generation_128,
+# PARTS=generation_512 (at most 8 minutes each: batches 64, 256 and 512, 256 new tokens a row,
+# ours against generate as TRL runs it and generate with its static cache and compiled decoding)
+# and PARTS=generation_real (at most 9 minutes: the same at batch 512 with completions of
+# log-normal lengths, median 300, p95 1,500, at most 2,048 tokens).
 set -u
 OUT=${OUT:-$PWD/bench-out}
 MODEL=${MODEL:-/tmp/bench-model}
@@ -56,6 +60,7 @@ PARTS=${PARTS:-"decode grpo generation"}
 SNAPSHOT="--memory_snapshot"; PROFILE="--profile"  # the CUDA allocator's history, CUDA kernels: GPU only
 if [ "${TINY:-0}" = 1 ]; then X="--device cpu --tiny"; SHAPE="tiny=True, dtype='fp32'"; BATCH=4; BATCHES=4
      GRPO_REAL="--completion_lengths lognormal:4:7"  # uneven lengths at the tiny scale
+     GENERATION_REAL="--completion_lengths lognormal:4:7"
      SNAPSHOT=""; PROFILE=""
      GRPO_BUDGET=64; CKPT_BUDGET=64; DISTILL_BUDGET=0; LONGEST="--search_step 8 --search_max 32"
      OFFLOAD="--gradient_checkpointing"  # offload pins host memory, which a CPU-only machine cannot
@@ -69,7 +74,8 @@ else X=""; SHAPE="tiny=False, dtype='bf16', device='cuda'"; BATCH=512; BATCHES="
      CKPT_BUDGET=32768
      OFFLOAD="--checkpoint_offload"; TRITON="--decode_kernel triton"
      LONGEST="--search_step 4096 --search_max 65536"
-     GRPO_REAL="--prompts 8 --completion_lengths lognormal:300:1500 --new_tokens 2048 --per_device_train_batch_size 8"; fi
+     GRPO_REAL="--prompts 8 --completion_lengths lognormal:300:1500 --new_tokens 2048 --per_device_train_batch_size 8"
+     GENERATION_REAL="--completion_lengths lognormal:300:1500 --new_tokens 2048"; fi
 mkdir -p "$OUT"
 : > "$OUT/summary.txt"
 LOGS=$(mktemp -d /tmp/gpu-record-XXXXXX)  # logs and per-configuration output, packed into $OUT/logs.tar.gz
@@ -114,6 +120,15 @@ STEP=""; [ "${TINY:-0}" = 1 ] && STEP="--pairs $PAIRS"  # the tiny run's step is
 part $NAME 360 python3 benchmarks/e2e_dpo.py $X $STEP --real_lengths ultrafeedback --warmup_steps 2 --timed_steps 2 \
     --configs trl_liger ours_padding_free_fixed_flex ours_shared_prompt_fixed_flex --per_device_train_batch_size $PAIRS \
     --model_dir "$MODEL" --log_dir "$LOGS/$NAME" --markdown_out "$OUT/$NAME.md"; done
+# The generation matrix: ours against generate as TRL runs it and generate with its static cache
+# and compiled decoding, at three batch sizes, two prompt lengths, fixed and realistic lengths.
+for PROMPT in 128 512; do P=$PROMPT; [ "${TINY:-0}" = 1 ] && P=$((PROMPT / 16))  # the tiny run: 8 and 32
+part generation_$PROMPT 450 python3 benchmarks/generation.py $X --batches $BATCHES --repeats 1 \
+    --prompt_length $P --methods dynamic_eos static ours --model_dir "$MODEL" \
+    --log_dir "$LOGS/generation_$PROMPT" --markdown_out "$OUT/generation_$PROMPT.md"; done
+part generation_real 500 python3 benchmarks/generation.py $X --batches $BATCH --repeats 1 $GENERATION_REAL \
+    --methods dynamic_eos static ours --model_dir "$MODEL" --log_dir "$LOGS/generation_real" \
+    --markdown_out "$OUT/generation_real.md"
 part e2e_dpo 200 python3 benchmarks/e2e_dpo.py $X --lengths 2048 4096 --configs ours_fused_compile trl_liger \
     --model_dir "$MODEL" --log_dir "$LOGS/e2e_dpo" --markdown_out "$OUT/e2e_dpo.md"
 part real_lengths 150 python3 benchmarks/e2e_dpo.py $X --real_lengths ultrafeedback --warmup_steps 2 --timed_steps 2 \

@@ -19,7 +19,8 @@ SCRIPT = ROOT / "benchmarks" / "gpu_record.sh"
 def _parts() -> list[str]:
     text = SCRIPT.read_text()
     named = re.findall(r"^part (\w+) \d+ ", text, re.M)
-    looped = ["dpo_flex", "dpo_flex16"] if "NAME=dpo_flex" in text else []  # `part $NAME` in a loop
+    looped = (["dpo_flex", "dpo_flex16"] if "NAME=dpo_flex" in text else [])  # `part $NAME` in a loop
+    looped += [f"generation_{n}" for n in (128, 512)] if "part generation_$PROMPT" in text else []
     return named + looped
 
 
