@@ -220,7 +220,7 @@ def main(argv=None) -> int:
     log(f"first step (trl and ours_generate train on the same completions): {verdict}")
     for line in lines:
         log("  " + line)
-    snapshots = rollout.memory_snapshots(results) + rollout.profiles(results)
+    snapshots = rollout.step_records_text(results)
     by_step = []
     for name in args.configs:
         losses = [e["loss"] for e in results.get(name, {}).get("logs") or [] if "loss" in e]

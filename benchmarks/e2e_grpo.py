@@ -253,7 +253,7 @@ def main(argv=None) -> int:
             shutil.rmtree(args.model_dir, ignore_errors=True)
     text = table(args, results)
     log("\n" + text + "\n")
-    snapshots = rollout.memory_snapshots(results) + rollout.profiles(results)
+    snapshots = rollout.step_records_text(results)
     with open(args.json_out or os.path.join(args.log_dir, "results.json"), "w") as f:
         json.dump({"versions": versions(), "argv": sys.argv, "settings": {k: getattr(args, k) for k in vars(args)},
                    "skipped": skipped, "results": results}, f, indent=1, default=str)

@@ -126,6 +126,12 @@ def profiles(results: dict[str, dict], top: int = 25) -> list[str]:
     return texts
 
 
+def step_records_text(results: dict[str, dict]) -> list[str]:
+    """What the steps after the timed ones recorded, each configuration's: --memory_snapshot's
+    breakdowns, then --profile's profiles."""
+    return memory_snapshots(results) + profiles(results)
+
+
 def worker_dir(args, name: str) -> str:
     """The output directory of configuration `name`'s trainer, beside its result file."""
     return output_dir(os.path.dirname(os.path.abspath(args.result)), name)
