@@ -110,7 +110,7 @@ part() {  # part NAME SECONDS COMMAND...
 part model 30 python3 -c "from benchmarks.builders.model import build_model as b; print(b('$MODEL', $SHAPE, seed=0))"
 part decode 45 python3 benchmarks/decode_profile.py $X --batches $BATCHES --repeats 5 --kernels 8 \
     --model_dir "$MODEL" --markdown_out "$OUT/decode.md"
-part grpo 330 python3 benchmarks/e2e_grpo.py $X --configs ours ours_shared_prompt trl \
+part grpo 330 python3 benchmarks/e2e_grpo.py $X --configs trl ours_shared_prompt ours \
     --warmup_steps 1 --timed_steps 2 --max_tokens_per_batch $GRPO_BUDGET \
     --model_dir "$MODEL" --log_dir "$LOGS/grpo" --markdown_out "$OUT/grpo.md"
 part generation 110 python3 benchmarks/generation.py $X --batches $BATCH --repeats 1 --methods ours ours_fused dynamic_eos \
@@ -134,13 +134,13 @@ part e2e_dpo 200 python3 benchmarks/e2e_dpo.py $X --lengths 2048 4096 --configs 
 part real_lengths 150 python3 benchmarks/e2e_dpo.py $X --real_lengths ultrafeedback --warmup_steps 2 --timed_steps 2 \
     --configs trl_liger ours_shared_prompt_flex trl_liger_grouped \
     --model_dir "$MODEL" --log_dir "$LOGS/real_lengths" --markdown_out "$OUT/real_lengths.md"
-part grpo_real 540 python3 benchmarks/e2e_grpo.py $X --configs ours ours_shared_prompt trl $GRPO_REAL \
+part grpo_real 540 python3 benchmarks/e2e_grpo.py $X --configs trl ours_shared_prompt ours $GRPO_REAL \
     --warmup_steps 1 --timed_steps 2 --max_tokens_per_batch $GRPO_BUDGET \
     --model_dir "$MODEL" --log_dir "$LOGS/grpo_real" --markdown_out "$OUT/grpo_real.md"
-part grpo_longest 540 python3 benchmarks/e2e_grpo.py $X --longest_search --configs ours_shared_prompt trl \
+part grpo_longest 540 python3 benchmarks/e2e_grpo.py $X --longest_search --configs trl ours_shared_prompt \
     --max_tokens_per_batch 0 $LONGEST --model_dir "$MODEL" --log_dir "$LOGS/grpo_longest" \
     --markdown_out "$OUT/grpo_longest.md"
-part grpo_profile 300 python3 benchmarks/e2e_grpo.py $X --configs ours ours_shared_prompt trl --random_completions \
+part grpo_profile 300 python3 benchmarks/e2e_grpo.py $X --configs trl ours_shared_prompt ours --random_completions \
     $PROFILE --warmup_steps 1 --timed_steps 1 --max_tokens_per_batch $GRPO_BUDGET \
     --model_dir "$MODEL" --log_dir "$LOGS/grpo_profile" --markdown_out "$OUT/grpo_profile.md"
 part compiled_decode 120 python3 benchmarks/decode_profile.py $X --batches $BATCH --repeats 5 --compile \
@@ -155,10 +155,10 @@ part fast_grpo 300 python3 benchmarks/e2e_grpo.py $X --configs ours ours_compile
 part compiled_grpo 200 python3 benchmarks/e2e_grpo.py $X --configs ours ours_compiled \
     --warmup_steps 1 --timed_steps 2 --model_dir "$MODEL" --log_dir "$LOGS/compiled_grpo" \
     --markdown_out "$OUT/compiled_grpo.md"
-part grpo_checkpointing 270 python3 benchmarks/e2e_grpo.py $X --configs ours ours_shared_prompt trl \
+part grpo_checkpointing 270 python3 benchmarks/e2e_grpo.py $X --configs trl ours_shared_prompt ours \
     --gradient_checkpointing --warmup_steps 1 --timed_steps 2 --max_tokens_per_batch $CKPT_BUDGET \
     --model_dir "$MODEL" --log_dir "$LOGS/grpo_checkpointing" --markdown_out "$OUT/grpo_checkpointing.md"
-part grpo_offload 270 python3 benchmarks/e2e_grpo.py $X --configs ours ours_shared_prompt trl \
+part grpo_offload 270 python3 benchmarks/e2e_grpo.py $X --configs trl ours_shared_prompt ours \
     $OFFLOAD --warmup_steps 1 --timed_steps 2 --max_tokens_per_batch $CKPT_BUDGET \
     --model_dir "$MODEL" --log_dir "$LOGS/grpo_offload" --markdown_out "$OUT/grpo_offload.md"
 part triton_decode 60 python3 benchmarks/decode_profile.py $X --batches $BATCHES --repeats 5 --kernels 8 \
