@@ -79,6 +79,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--longest_search", action="store_true",
       help="the longest max_completion_length each configuration trains at (benchmarks/grpo_longest.py); "
            "defaults then: 8 prompts x 8 completions, micro-batch 8, gradient checkpointing, random completions")
+    a("--memory_fit", type=int, nargs="+", default=None, metavar="LENGTH",
+      help="with --longest_search: instead of searching, the peak at each of these max_completion_lengths, the "
+           "least-squares line through them and the length where it meets the GPU's memory (a prediction: where "
+           "a probe near the boundary would take longer than a benchmark command may run)")
     a("--search_step", type=int, default=1024)
     a("--search_min", type=int, default=0)
     a("--search_max", type=int, default=65536)
@@ -100,6 +104,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         import torch
 
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.memory_fit and not args.longest_search:
+        p.error("--memory_fit replaces --longest_search's search: give both")
+    if args.memory_fit and len(set(args.memory_fit)) < 2:
+        p.error(f"--memory_fit: a line needs two or more different lengths, got {args.memory_fit}")
     if args.longest_search:
         args.gradient_checkpointing = args.random_completions = True
     if args.checkpoint_offload:
@@ -231,7 +239,7 @@ def main(argv=None) -> int:
         log("model: " + build_model(args.model_dir, tiny=args.tiny, dtype=args.dtype, seed=args.seed))
     if args.longest_search:
         try:
-            found, text = grpo_longest.search(args, skipped)
+            found, text = (grpo_longest.fit(args, skipped) if args.memory_fit else grpo_longest.search(args, skipped))
         finally:
             if own_model:
                 shutil.rmtree(args.model_dir, ignore_errors=True)

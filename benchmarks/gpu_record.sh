@@ -24,7 +24,8 @@
 # PARTS="e2e_dpo real_lengths" (about 6 minutes), PARTS=grpo_real (at most 9 minutes: GRPO at 8 x 8
 # completions of log-normal lengths up to 2,048 tokens, ours padded and packed against TRL, whose
 # generate runs every step to the longest completion), PARTS=grpo_longest (at most 9
-# minutes: the longest completion ours (one completion a row) and TRL train at 8 x 8),
+# minutes: the longest completion ours (one completion a row, and padded) and TRL are predicted
+# to train at 8 x 8, from the peak at 4,096, 8,192 and 16,384 tokens),
 # PARTS="compiled_decode attention compiled_generation compiled_grpo" (at most 9 min 20 s:
 # StaticDecode's step compiled by inductor against the uncompiled one, by part, in generation
 # and in GRPO; and one step's attention computed seven ways, decode_attention.py, the Triton
@@ -63,7 +64,7 @@ if [ "${TINY:-0}" = 1 ]; then X="--device cpu --tiny"; SHAPE="tiny=True, dtype='
      GRPO_REAL="--completion_lengths lognormal:4:7"  # uneven lengths at the tiny scale
      GENERATION_REAL="--completion_lengths lognormal:4:7"
      SNAPSHOT=""; PROFILE=""
-     GRPO_BUDGET=64; CKPT_BUDGET=64; DISTILL_BUDGET=0; LONGEST="--search_step 8 --search_max 32"
+     GRPO_BUDGET=64; CKPT_BUDGET=64; DISTILL_BUDGET=0; LONGEST="--memory_fit 8 16 32"
      OFFLOAD="--gradient_checkpointing"  # offload pins host memory, which a CPU-only machine cannot
      TRITON=""  # the Triton kernel runs on CUDA only
 else X=""; SHAPE="tiny=False, dtype='bf16', device='cuda'"; BATCH=512; BATCHES="64 256 512"; GRPO_BUDGET=8192; DISTILL_BUDGET=4096
@@ -74,7 +75,10 @@ else X=""; SHAPE="tiny=False, dtype='bf16', device='cuda'"; BATCH=512; BATCHES="
      # step as the padded trainers run, instead of 24 rows of at most 8,192.
      CKPT_BUDGET=32768
      OFFLOAD="--checkpoint_offload"; TRITON="--decode_kernel triton"
-     LONGEST="--search_step 4096 --search_max 65536"
+     # The peak's line over three lengths, and where it meets the GPU's memory: with checkpointing
+     # the boundary lies past 65,536 tokens a completion (DPO's, at 8 pairs, 94,208 on an H200),
+     # where a step of 64 completions takes many minutes of attention alone.
+     LONGEST="--memory_fit 4096 8192 16384"
      GRPO_REAL="--prompts 8 --completion_lengths lognormal:300:1500 --new_tokens 2048 --per_device_train_batch_size 8"
      GENERATION_REAL="--completion_lengths lognormal:300:1500 --new_tokens 2048"; fi
 mkdir -p "$OUT"
@@ -138,7 +142,7 @@ part real_lengths 150 python3 benchmarks/e2e_dpo.py $X --real_lengths ultrafeedb
 part grpo_real 540 python3 benchmarks/e2e_grpo.py $X --configs trl ours_shared_prompt ours $GRPO_REAL \
     --warmup_steps 1 --timed_steps 2 --max_tokens_per_batch $GRPO_BUDGET \
     --model_dir "$MODEL" --log_dir "$LOGS/grpo_real" --markdown_out "$OUT/grpo_real.md"
-part grpo_longest 540 python3 benchmarks/e2e_grpo.py $X --longest_search --configs trl ours_shared_prompt \
+part grpo_longest 540 python3 benchmarks/e2e_grpo.py $X --longest_search --configs trl ours_shared_prompt ours \
     --max_tokens_per_batch 0 $LONGEST --model_dir "$MODEL" --log_dir "$LOGS/grpo_longest" \
     --markdown_out "$OUT/grpo_longest.md"
 part grpo_profile 240 python3 benchmarks/e2e_grpo.py $X --configs ours_shared_prompt ours --random_completions \

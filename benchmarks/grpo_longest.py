@@ -9,6 +9,12 @@ sampling tens of thousands of tokens a completion would take the probe's whole t
 question is what the training step holds. A probe's peak is therefore the training step's (the
 policy's and, with beta != 0, the reference's passes, the backward and the optimizer), not a
 generation's KV cache.
+
+With --memory_fit L1 L2 ... the search is replaced by a prediction: each configuration's peak at
+those lengths, the least-squares line through them, and the length where it meets the GPU's
+memory. That is for boundaries a probe cannot reach in a benchmark command's ten minutes: with
+checkpointing a step of 64 completions holds little per token, so the boundary lies at tens of
+thousands of tokens a completion, where one step's attention alone takes minutes.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import sys
 
 from benchmarks.builders import grpo
 from benchmarks.harness import runner
-from benchmarks.harness.bisect import longest_that_fits
+from benchmarks.harness.bisect import line_fit, longest_that_fits
 from benchmarks.harness.env import log
 from benchmarks.harness.tables import fmt, markdown
 
@@ -68,3 +74,58 @@ def search(args, skipped: dict) -> tuple[dict, str]:
              f"completions of random ids at full length, steps of {args.search_step})")
     return out, title + "\n\n" + markdown(["config", "longest max_completion_length", "peak GiB at it"], rows,
                                           numeric={1, 2})
+
+
+def fit_one(args, config: str) -> dict:
+    """The peak at each --memory_fit length (stopping at the first that does not fit), the
+    line through them and where it meets the GPU's memory."""
+    log(f"{config}: peak memory at {', '.join(map(str, args.memory_fit))} ({args.prompts} x {args.num_generations} "
+        f"completions, micro-batch {args.per_device_train_batch_size}, {grpo.checkpointing_words(args)})")
+    points, probes, total = [], [], None
+    for length in sorted(args.memory_fit):
+        r = probe(args, config, length)
+        probes.append({"length": length, "status": r["status"], "peak_gib": r.get("peak_gib"),
+                       "wall_s": r.get("wall_s")})
+        log(f"  {length}: {r['status']}" + (f", peak {fmt(r.get('peak_gib'), '.2f')} GiB" if r.get("peak_gib") else ""))
+        if r["status"] != "ok":
+            break  # a longer one holds more
+        if r.get("peak_gib") is not None:  # None on the CPU
+            points.append((length, r["peak_gib"]))
+            total = r.get("total_gib") or total
+    entry: dict = {"status": "ok", "points": points, "probes": probes, "total_gib": total}
+    if probes[-1]["status"] not in ("ok", "OOM"):
+        return {**entry, "status": "error", "error": r.get("error")}
+    if len(points) < 2 or not total:
+        return {**entry, "status": "incomplete"}
+    slope, intercept, worst = line_fit(points)
+    entry.update(slope_gib_per_1k=slope * 1024, intercept_gib=intercept, max_residual_gib=worst,
+                 predicted=int((total - intercept) / slope) if slope > 0 else None)
+    log(f"  {config}: peak = {intercept:.2f} GiB + {slope * 1024:.3f} GiB per 1k tokens of length (worst residual "
+        f"{worst:.3f} GiB); reaches {total:.1f} GiB at ~{entry['predicted']}")
+    return entry
+
+
+def fit(args, skipped: dict) -> tuple[dict, str]:
+    """--memory_fit: every configuration's line, and its predicted longest against TRL's."""
+    out = {c: ({"status": "skipped", "reason": skipped[c]} if skipped[c] else fit_one(args, c)) for c in args.configs}
+    base = out.get("trl", {}).get("predicted")
+    rows = []
+    for config, e in out.items():
+        if e["status"] in ("skipped", "error"):
+            rows.append([config, f"{e['status']}: {e.get('reason') or e.get('error')}"] + [""] * 4)
+            continue
+        peaks = {p["length"]: (fmt(p["peak_gib"], ".2f") if p["status"] == "ok" else p["status"]) for p in e["probes"]}
+        predicted = e.get("predicted")
+        rows.append([config, ", ".join(peaks.get(length, "not run") for length in sorted(args.memory_fit)),
+                     fmt(e.get("slope_gib_per_1k"), ".3f"), fmt(e.get("max_residual_gib"), ".3f"),
+                     f"~{predicted:,}" if predicted else e["status"],
+                     f"{predicted / base:.2f}x" if predicted and base else "—"])
+    total = next((e["total_gib"] for e in out.values() if e.get("total_gib")), None)
+    title = (f"### GRPO, the longest max_completion_length predicted to train at {args.prompts} prompts x "
+             f"{args.num_generations} completions (micro-batch {args.per_device_train_batch_size}, "
+             f"{grpo.checkpointing_words(args)}, {args.prompt_length}-token prompts, completions of random ids at "
+             f"full length): the peak's least-squares line over lengths {', '.join(map(str, sorted(args.memory_fit)))}, "
+             f"where it meets {fmt(total, '.1f')} GiB (a prediction, not a run at that length)")
+    return out, title + "\n\n" + markdown(
+        ["config", "peak GiB at " + ", ".join(map(str, sorted(args.memory_fit))), "GiB per 1k tokens of length",
+         "worst residual GiB", "predicted longest max_completion_length", "vs trl"], rows, numeric={2, 3, 4, 5})

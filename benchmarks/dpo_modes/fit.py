@@ -5,18 +5,9 @@ from __future__ import annotations
 
 from benchmarks.dpo_modes.launch import launch
 from benchmarks.dpo_modes.memory import log_memory
+from benchmarks.harness.bisect import line_fit
 from benchmarks.harness.env import log
 from benchmarks.harness.tables import fmt, markdown
-
-
-def line_fit(points: list[tuple[int, float]]) -> tuple[float, float, float]:
-    """(slope, intercept, worst residual) of the least-squares line through `points`."""
-    n = len(points)
-    mx = sum(x for x, _ in points) / n
-    my = sum(y for _, y in points) / n
-    slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
-    intercept = my - slope * mx
-    return slope, intercept, max(abs(intercept + slope * x - y) for x, y in points)
 
 
 def fit_one(args, config: str) -> dict:

@@ -1,4 +1,6 @@
-"""The longest length that fits: binary search over multiples of a step, one probe a length.
+"""The longest length that fits: binary search over multiples of a step, one probe a length;
+or, where a probe near the boundary would take too long, a line through measured peaks
+(`line_fit`) and where it meets the GPU's memory.
 
 A probe returns a worker result (`harness/runner.py`): status "ok" (it fits), "OOM" (it does
 not) or anything else (an error, which ends the search).
@@ -43,3 +45,13 @@ def longest_that_fits(probe: Callable[[int], dict], *, name: str, step: int, sma
     capped = hi > largest // step
     log(f"  {name}: longest that fits: " + ("none" if longest is None else f"{'>= ' if capped else ''}{longest}"))
     return {"status": "ok", "longest": longest, "capped": capped, "probes": probes}
+
+
+def line_fit(points: list[tuple[int, float]]) -> tuple[float, float, float]:
+    """(slope, intercept, worst residual) of the least-squares line through `points`."""
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+    intercept = my - slope * mx
+    return slope, intercept, max(abs(intercept + slope * x - y) for x, y in points)

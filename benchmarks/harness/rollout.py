@@ -41,7 +41,7 @@ def run_worker(args, name: str, build: Callable[[Any, Timers], Any], completions
     snapshot, profile = step_records(args, cuda, timed_end)
     peak = (lambda: memory.overall() / 2**30) if cuda else (lambda: None)
     with runner.worker_result(args.result, peak) as result:
-        result.update(config=name)
+        result.update(config=name, total_gib=torch.cuda.get_device_properties(0).total_memory / 2**30 if cuda else None)
         set_seed(args.seed)
         split = GenerationSplit(timers)
         callback = step_timer(timers.sync, [hook for hook in (split, memory, snapshot, profile) if hook is not None])

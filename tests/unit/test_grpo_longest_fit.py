@@ -1,0 +1,80 @@
+"""benchmarks/e2e_grpo.py --longest_search --memory_fit: the peak at each length, the line
+through the peaks, where it meets the GPU's memory, and each configuration against TRL's."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import e2e_grpo, grpo_longest
+
+
+def _args(*more: str):
+    return e2e_grpo.parse_args(["--device", "cpu", "--tiny", "--longest_search", *more])
+
+
+def _fake(monkeypatch, lines: dict, oom_from: dict | None = None, total: float = 80.0):
+    """Probes whose peak is intercept + slope x length, OOM from a length on, all recorded."""
+    calls = []
+
+    def probe(args, config, length):
+        calls.append((config, length))
+        if oom_from and length >= oom_from.get(config, 1 << 60):
+            return {"status": "OOM", "peak_gib": 79.9}
+        intercept, slope = lines[config]
+        return {"status": "ok", "peak_gib": intercept + slope * length, "total_gib": total, "wall_s": 1.0}
+
+    monkeypatch.setattr(grpo_longest, "probe", probe)
+    return calls
+
+
+def test_the_fit_predicts_where_each_line_meets_the_memory_and_compares_with_trl(monkeypatch):
+    args = _args("--memory_fit", "16384", "4096", "8192", "--configs", "trl", "ours_shared_prompt")
+    calls = _fake(monkeypatch, {"trl": (8.0, 1e-3), "ours_shared_prompt": (6.0, 1.25e-4)})
+    found, text = grpo_longest.fit(args, {"trl": None, "ours_shared_prompt": None})
+    assert calls == [(c, n) for c in ("trl", "ours_shared_prompt") for n in (4096, 8192, 16384)]  # shortest first
+    assert found["trl"]["predicted"] == 72_000  # (80 - 8) / 1e-3
+    assert found["ours_shared_prompt"]["predicted"] == 592_000  # (80 - 6) / 1.25e-4
+    assert found["trl"]["slope_gib_per_1k"] == pytest.approx(1.024)
+    assert found["trl"]["max_residual_gib"] < 1e-9
+    assert "~72,000" in text and "~592,000" in text and "8.22x" in text  # 592,000 / 72,000
+    assert "80.0 GiB" in text and "a prediction" in text
+
+
+def test_a_length_that_does_not_fit_ends_the_configurations_probes_and_is_shown(monkeypatch):
+    args = _args("--memory_fit", "4096", "8192", "16384", "--configs", "trl", "ours")
+    calls = _fake(monkeypatch, {"trl": (8.0, 4e-3), "ours": (6.0, 1e-3)}, oom_from={"trl": 16384})
+    found, text = grpo_longest.fit(args, {"trl": None, "ours": None})
+    assert ("trl", 16384) in calls and len([c for c in calls if c[0] == "trl"]) == 3
+    assert [p["status"] for p in found["trl"]["probes"]] == ["ok", "ok", "OOM"]
+    assert found["trl"]["points"] == [(4096, 8.0 + 4e-3 * 4096), (8192, 8.0 + 4e-3 * 8192)]  # two points: a line
+    assert found["trl"]["predicted"] == 18_000
+    assert "24.38, 40.77, OOM" in text
+
+
+def test_one_point_or_none_on_the_cpu_predicts_nothing(monkeypatch):
+    args = _args("--memory_fit", "8", "16", "--configs", "trl", "ours")
+    monkeypatch.setattr(grpo_longest, "probe",
+                        lambda args, config, length: {"status": "ok", "peak_gib": None, "total_gib": None})
+    found, text = grpo_longest.fit(args, {"trl": None, "ours": "not installed"})
+    assert found["trl"]["status"] == "incomplete" and "predicted" not in found["trl"]
+    assert found["ours"] == {"status": "skipped", "reason": "not installed"}
+    assert "skipped: not installed" in text
+
+
+def test_an_error_stops_and_is_reported(monkeypatch):
+    args = _args("--memory_fit", "8", "16", "--configs", "trl")
+    monkeypatch.setattr(grpo_longest, "probe",
+                        lambda args, config, length: {"status": "error", "error": "RuntimeError: boom"})
+    found, text = grpo_longest.fit(args, {"trl": None})
+    assert found["trl"]["status"] == "error" and len(found["trl"]["probes"]) == 1
+    assert "error: RuntimeError: boom" in text
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--memory_fit", "8", "16"], "give both"),
+    (["--longest_search", "--memory_fit", "8", "8"], "two or more different lengths"),
+])
+def test_bad_fit_flags_are_refused(argv, words, capsys):
+    with pytest.raises(SystemExit):
+        e2e_grpo.parse_args(["--device", "cpu", "--tiny", *argv])
+    assert words in capsys.readouterr().err
