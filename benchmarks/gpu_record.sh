@@ -24,7 +24,7 @@
 # PARTS="e2e_dpo real_lengths" (about 6 minutes), PARTS=grpo_real (at most 9 minutes: GRPO at 8 x 8
 # completions of log-normal lengths up to 2,048 tokens, ours padded and packed against TRL, whose
 # generate runs every step to the longest completion), PARTS=grpo_longest (at most 9
-# minutes: the longest completion ours (one completion a row, and padded) and TRL are predicted
+# minutes: the longest completion ours (one completion a row) and TRL are predicted
 # to train at 8 x 8, from the peak at 4,096, 8,192 and 16,384 tokens),
 # PARTS="compiled_decode attention compiled_generation compiled_grpo" (at most 9 min 20 s:
 # StaticDecode's step compiled by inductor against the uncompiled one, by part, in generation
@@ -142,7 +142,7 @@ part real_lengths 150 python3 benchmarks/e2e_dpo.py $X --real_lengths ultrafeedb
 part grpo_real 540 python3 benchmarks/e2e_grpo.py $X --configs trl ours_shared_prompt ours $GRPO_REAL \
     --warmup_steps 1 --timed_steps 2 --max_tokens_per_batch $GRPO_BUDGET \
     --model_dir "$MODEL" --log_dir "$LOGS/grpo_real" --markdown_out "$OUT/grpo_real.md"
-part grpo_longest 540 python3 benchmarks/e2e_grpo.py $X --longest_search --configs trl ours_shared_prompt ours \
+part grpo_longest 540 python3 benchmarks/e2e_grpo.py $X --longest_search --configs trl ours_shared_prompt \
     --max_tokens_per_batch 0 $LONGEST --model_dir "$MODEL" --log_dir "$LOGS/grpo_longest" \
     --markdown_out "$OUT/grpo_longest.md"
 part grpo_profile 240 python3 benchmarks/e2e_grpo.py $X --configs ours_shared_prompt ours --random_completions \
