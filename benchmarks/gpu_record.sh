@@ -76,9 +76,12 @@ else X=""; SHAPE="tiny=False, dtype='bf16', device='cuda'"; BATCH=512; BATCHES="
      CKPT_BUDGET=32768
      OFFLOAD="--checkpoint_offload"; TRITON="--decode_kernel triton"
      # The peak's line over three lengths, and where it meets the GPU's memory: with checkpointing
-     # the boundary lies past 65,536 tokens a completion (DPO's, at 8 pairs, 94,208 on an H200),
-     # where a step of 64 completions takes many minutes of attention alone.
-     LONGEST="--memory_fit 4096 8192 16384"
+     # the boundary lies past 65,536 tokens a completion (TRL's line at f7eace9 meets an H100's
+     # memory at ~82,700), where a step of 64 completions takes many minutes of attention alone.
+     # One prompt's 8 completions: one micro-batch, whose peak is a step's of 8 prompts (the same
+     # weights, gradients and optimizer state, the same activations a micro-batch; TRL's at
+     # 4,096 with 8 prompts, 7.86 GiB at f7eace9, is the check), at an eighth of the probes' time.
+     LONGEST="--memory_fit 4096 8192 16384 --prompts 1"
      GRPO_REAL="--prompts 8 --completion_lengths lognormal:300:1500 --new_tokens 2048 --per_device_train_batch_size 8"
      GENERATION_REAL="--completion_lengths lognormal:300:1500 --new_tokens 2048"; fi
 mkdir -p "$OUT"

@@ -26,7 +26,7 @@ from benchmarks.builders import grpo
 from benchmarks.harness import runner
 from benchmarks.harness.bisect import line_fit, longest_that_fits
 from benchmarks.harness.env import log
-from benchmarks.harness.tables import fmt, markdown
+from benchmarks.harness.tables import fmt, markdown, write_markdown
 
 FORWARDED = ("device", "prompts", "num_generations", "prompt_length", "per_device_train_batch_size", "learning_rate",
              "beta", "loss_type", "dtype", "seed", "model_dir", "max_tokens_per_batch")
@@ -86,7 +86,8 @@ def fit_one(args, config: str) -> dict:
         r = probe(args, config, length)
         probes.append({"length": length, "status": r["status"], "peak_gib": r.get("peak_gib"),
                        "wall_s": r.get("wall_s")})
-        log(f"  {length}: {r['status']}" + (f", peak {fmt(r.get('peak_gib'), '.2f')} GiB" if r.get("peak_gib") else ""))
+        log(f"  {length}: {r['status']}" + (f", peak {fmt(r.get('peak_gib'), '.2f')} GiB" if r.get("peak_gib") else "")
+            + f" ({fmt(r.get('wall_s'), '.0f')} s, of which training {fmt(r.get('total_step_s'), '.0f')} s timed)")
         if r["status"] != "ok":
             break  # a longer one holds more
         if r.get("peak_gib") is not None:  # None on the CPU
@@ -106,13 +107,23 @@ def fit_one(args, config: str) -> dict:
 
 
 def fit(args, skipped: dict) -> tuple[dict, str]:
-    """--memory_fit: every configuration's line, and its predicted longest against TRL's."""
-    out = {c: ({"status": "skipped", "reason": skipped[c]} if skipped[c] else fit_one(args, c)) for c in args.configs}
+    """--memory_fit: every configuration's line, and its predicted longest against TRL's; the
+    table is rewritten (--markdown_out) after each configuration, so a run cut short keeps it."""
+    out: dict = {}
+    for c in args.configs:
+        out[c] = {"status": "skipped", "reason": skipped[c]} if skipped[c] else fit_one(args, c)
+        write_markdown(args, [fit_table(args, out)])
+    return out, fit_table(args, out)
+
+
+def fit_table(args, out: dict) -> str:
     base = out.get("trl", {}).get("predicted")
     rows = []
-    for config, e in out.items():
-        if e["status"] in ("skipped", "error"):
-            rows.append([config, f"{e['status']}: {e.get('reason') or e.get('error')}"] + [""] * 4)
+    for config in args.configs:
+        e = out.get(config, {"status": "not run", "probes": []})
+        if e["status"] in ("skipped", "error", "not run"):
+            rows.append([config, f"{e['status']}: {e.get('reason') or e.get('error')}" if e["status"] != "not run"
+                         else "not run"] + [""] * 4)
             continue
         peaks = {p["length"]: (fmt(p["peak_gib"], ".2f") if p["status"] == "ok" else p["status"]) for p in e["probes"]}
         predicted = e.get("predicted")
@@ -126,6 +137,6 @@ def fit(args, skipped: dict) -> tuple[dict, str]:
              f"{grpo.checkpointing_words(args)}, {args.prompt_length}-token prompts, completions of random ids at "
              f"full length): the peak's least-squares line over lengths {', '.join(map(str, sorted(args.memory_fit)))}, "
              f"where it meets {fmt(total, '.1f')} GiB (a prediction, not a run at that length)")
-    return out, title + "\n\n" + markdown(
+    return title + "\n\n" + markdown(
         ["config", "peak GiB at " + ", ".join(map(str, sorted(args.memory_fit))), "GiB per 1k tokens of length",
          "worst residual GiB", "predicted longest max_completion_length", "vs trl"], rows, numeric={2, 3, 4, 5})

@@ -78,3 +78,21 @@ def test_bad_fit_flags_are_refused(argv, words, capsys):
     with pytest.raises(SystemExit):
         e2e_grpo.parse_args(["--device", "cpu", "--tiny", *argv])
     assert words in capsys.readouterr().err
+
+
+def test_the_table_is_rewritten_after_each_configuration(monkeypatch, tmp_path):
+    """A part stopped by its limit while the second configuration runs keeps the first's line."""
+    out = tmp_path / "longest.md"
+    args = _args("--memory_fit", "4096", "8192", "--configs", "trl", "ours_shared_prompt", "--markdown_out", str(out))
+    seen = []
+
+    def probe(args, config, length):
+        if config == "ours_shared_prompt" and not seen:
+            seen.append(out.read_text())  # what a stop here would leave
+        return {"status": "ok", "peak_gib": 4.0 + 1e-3 * length, "total_gib": 80.0}
+
+    monkeypatch.setattr(grpo_longest, "probe", probe)
+    grpo_longest.fit(args, {"trl": None, "ours_shared_prompt": None})
+    assert "| trl | 8.10, 12.19 |" in seen[0] and "~76,000" in seen[0]
+    assert "| ours_shared_prompt | not run |" in seen[0]
+    assert out.read_text().count("~76,000") == 2  # both lines at the end
