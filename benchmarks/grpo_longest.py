@@ -24,7 +24,7 @@ import sys
 
 from benchmarks.builders import grpo
 from benchmarks.harness import runner
-from benchmarks.harness.bisect import line_fit, longest_that_fits
+from benchmarks.harness.bisect import longest_that_fits, memory_line
 from benchmarks.harness.env import log
 from benchmarks.harness.tables import fmt, markdown, write_markdown
 
@@ -96,14 +96,8 @@ def fit_one(args, config: str) -> dict:
     entry: dict = {"status": "ok", "points": points, "probes": probes, "total_gib": total}
     if probes[-1]["status"] not in ("ok", "OOM"):
         return {**entry, "status": "error", "error": r.get("error")}
-    if len(points) < 2 or not total:
-        return {**entry, "status": "incomplete"}
-    slope, intercept, worst = line_fit(points)
-    entry.update(slope_gib_per_1k=slope * 1024, intercept_gib=intercept, max_residual_gib=worst,
-                 predicted=int((total - intercept) / slope) if slope > 0 else None)
-    log(f"  {config}: peak = {intercept:.2f} GiB + {slope * 1024:.3f} GiB per 1k tokens of length (worst residual "
-        f"{worst:.3f} GiB); reaches {total:.1f} GiB at ~{entry['predicted']}")
-    return entry
+    line = memory_line(config, points, total)
+    return {**entry, "status": "incomplete"} if line is None else {**entry, **line}
 
 
 def fit(args, skipped: dict) -> tuple[dict, str]:

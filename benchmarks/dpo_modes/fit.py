@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from benchmarks.dpo_modes.launch import launch
 from benchmarks.dpo_modes.memory import log_memory
-from benchmarks.harness.bisect import line_fit
+from benchmarks.harness.bisect import memory_line
 from benchmarks.harness.env import log
 from benchmarks.harness.tables import fmt, markdown
 
@@ -21,16 +21,13 @@ def fit_one(args, config: str) -> dict:
             breakdowns[length] = r.get("memory")
             total = r.get("total_gib") or total
     entry: dict = {"status": "ok", "points": points, "total_gib": total, "memory": breakdowns}
-    if len(points) < 2 or not total:
+    line = memory_line(config, points, total)
+    if line is None:
         entry["status"] = "incomplete"
         return entry
-    slope, intercept, worst = line_fit(points)
-    predicted = int((total - intercept) / slope)
-    entry.update(slope_gib_per_1k=slope * 1024, intercept_gib=intercept, max_residual_gib=worst, predicted=predicted)
-    log(f"  {config}: peak = {intercept:.2f} GiB + {slope * 1024:.3f} GiB per 1k tokens of length "
-        f"(worst residual {worst:.2f} GiB); reaches {total:.1f} GiB at length ~{predicted}")
-    if args.verify_fit:
-        entry["verified"] = verify_boundary(args, config, predicted // args.search_step * args.search_step)
+    entry.update(line)
+    if args.verify_fit and line["predicted"]:
+        entry["verified"] = verify_boundary(args, config, line["predicted"] // args.search_step * args.search_step)
     return entry
 
 

@@ -1,6 +1,6 @@
 """The longest length that fits: binary search over multiples of a step, one probe a length;
-or, where a probe near the boundary would take too long, a line through measured peaks
-(`line_fit`) and where it meets the GPU's memory.
+or, where a probe near the boundary would take too long, a line through measured peaks and
+where it meets the GPU's memory (`memory_line`).
 
 A probe returns a worker result (`harness/runner.py`): status "ok" (it fits), "OOM" (it does
 not) or anything else (an error, which ends the search).
@@ -55,3 +55,16 @@ def line_fit(points: list[tuple[int, float]]) -> tuple[float, float, float]:
     slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
     intercept = my - slope * mx
     return slope, intercept, max(abs(intercept + slope * x - y) for x, y in points)
+
+
+def memory_line(name: str, points: list[tuple[int, float]], total_gib: float | None) -> dict | None:
+    """The least-squares line through (length, peak GiB) `points` and the length where it meets
+    `total_gib`, logged: {slope_gib_per_1k, intercept_gib, max_residual_gib, predicted (None when
+    the peak does not grow)}; None with fewer than two points or no total (the CPU)."""
+    if len(points) < 2 or not total_gib:
+        return None
+    slope, intercept, worst = line_fit(points)
+    predicted = int((total_gib - intercept) / slope) if slope > 0 else None
+    log(f"  {name}: peak = {intercept:.2f} GiB + {slope * 1024:.3f} GiB per 1k tokens of length (worst residual "
+        f"{worst:.3f} GiB); reaches {total_gib:.1f} GiB at ~{predicted}")
+    return dict(slope_gib_per_1k=slope * 1024, intercept_gib=intercept, max_residual_gib=worst, predicted=predicted)
