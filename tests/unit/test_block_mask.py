@@ -156,9 +156,9 @@ def test_on_cuda_the_tables_equal_create_block_masks(window):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_cuda_a_65k_token_row_is_masked_in_bounded_memory():
-    """One prompt and 8 completions of 8,192 tokens (65,671 tokens, the row of GRPO's longest-length
-    probe at 8,192): the mask is built without compiling anything and with at most a few bands'
-    worth of memory above what it returns, where the whole [L, L] mask would be 4 GiB of booleans."""
+    """One prompt shared by 8 completions of 8,192 tokens in one row (65,671 tokens): the mask is built
+    without compiling anything and with a few bands' worth of memory above what it returns, where the
+    whole [L, L] mask would be 4 GiB of booleans (and `create_block_mask`'s eager int64 work far more)."""
     row = pack_groups([([5] * 128, [[7] * 8192] * 8)], share_prompt=True)
     segments, parents, positions = (row[k].cuda() for k in ("segment_ids", "parent_ids", "position_ids"))
     torch.cuda.synchronize()
