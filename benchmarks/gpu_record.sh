@@ -40,8 +40,9 @@
 # minutes: GRPO at 64 x 8 x 256 with the fastest decoding step measured, ours_compiled_triton:
 # compiled, the Triton kernel, the logits' draw, which beat the draw in the head at 71009fc, against
 # ours and TRL);
-# PARTS=decode_kernels (about 5 minutes: the step at batch 512 with the Triton kernel, compiled, and
-# the kernels that take its time, by name and by kind, for the eager forward and the compiled step);
+# PARTS=decode_kernels (about 7 minutes: the step at batch 512 with the Triton kernel, compiled, and
+# the kernels that take its time, by name and by kind, for the eager forward and the compiled step;
+# then the same step with each layer's q/k/v and gate/up projections as one GEMM each);
 # PARTS=distill_memory (about 3 minutes, with its teacher: ours padding-free with checkpointing, and
 # what is alive at the peak of one more step, by the line that allocated it); PARTS=distill_parts
 # (about 3 minutes: ours padding-free alone, each micro-batch part's divergence sum and tokens by
@@ -173,9 +174,10 @@ part triton_decode 60 python3 benchmarks/decode_profile.py $X --batches $BATCHES
     $TRITON --model_dir "$MODEL" --markdown_out "$OUT/triton_decode.md"
 part fused_decode 330 python3 benchmarks/decode_profile.py $X --batches $BATCH --repeats 5 --compile --fused_sampling \
     $TRITON --model_dir "$MODEL" --markdown_out "$OUT/fused_decode.md"
-part decode_kernels 300 python3 benchmarks/decode_profile.py $X --batches $BATCH --repeats 5 --compile --kernels 15 \
+part decode_kernels 420 python3 benchmarks/decode_profile.py $X --batches $BATCH --repeats 5 --compile --kernels 15 \
+    --fuse_projections \
     $TRITON --model_dir "$MODEL" --markdown_out "$OUT/decode_kernels.md"
-part triton_configs 150 python3 benchmarks/decode_attention.py $X --repeats 20 --variants grouped_sdpa triton_grouped triton_skip_masked \
+part triton_configs 150 python3 benchmarks/decode_attention.py $X --repeats 20 --variants grouped_sdpa triton_grouped triton_loads_masked \
     --triton_configs --slots 256 512 --markdown_out "$OUT/triton_configs.md"
 part triton_generation 200 python3 benchmarks/generation.py $X --batches $BATCH --repeats 1 \
     --methods ours ours_triton ours_compiled_triton_fused --model_dir "$MODEL" --log_dir "$LOGS/triton_generation" \
