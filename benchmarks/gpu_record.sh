@@ -36,10 +36,10 @@
 # step with the Triton attention kernel, by part, and generation with it, alone and with the step
 # compiled and the draw inside the head); PARTS="fused_decode triton_configs" (about 8 minutes: the
 # step at batch 512 with the Triton kernel, compiled, with and without the draw inside the head;
-# the kernel alone under each launch of a grid, to choose its default); PARTS=fast_grpo (about 4
+# the kernel alone under each launch of a grid, to choose its default); PARTS=fast_grpo (at most 7
 # minutes: GRPO at 64 x 8 x 256 with the fastest decoding step measured, ours_compiled_triton:
-# compiled, the Triton kernel, the logits' draw, which beat the draw in the head at 71009fc, against
-# ours and TRL);
+# compiled, the Triton kernel, the logits' draw, which beat the draw in the head at 71009fc, and the
+# same with the fused projections, against ours and TRL);
 # PARTS=decode_kernels (about 7 minutes: the step at batch 512 with the Triton kernel, compiled, and
 # the kernels that take its time, by name and by kind, for the eager forward and the compiled step;
 # then the same step with each layer's q/k/v and gate/up projections as one GEMM each);
@@ -158,7 +158,8 @@ part attention 90 python3 benchmarks/decode_attention.py $X --repeats 20 --markd
 part compiled_generation 150 python3 benchmarks/generation.py $X --batches $BATCH --repeats 1 \
     --methods ours ours_compiled --model_dir "$MODEL" --log_dir "$LOGS/compiled_generation" \
     --markdown_out "$OUT/compiled_generation.md"
-part fast_grpo 300 python3 benchmarks/e2e_grpo.py $X --configs ours ours_compiled_triton trl \
+part fast_grpo 400 python3 benchmarks/e2e_grpo.py $X --configs ours ours_compiled_triton \
+    ours_compiled_triton_fused_projections trl \
     --warmup_steps 1 --timed_steps 2 --model_dir "$MODEL" --log_dir "$LOGS/fast_grpo" \
     --markdown_out "$OUT/fast_grpo.md"
 part compiled_grpo 200 python3 benchmarks/e2e_grpo.py $X --configs ours ours_compiled \

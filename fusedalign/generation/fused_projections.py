@@ -18,10 +18,11 @@ weights are whole and do not change (the trainer updates them between generation
   the same hidden states, return their slices of that product.
 
 Only classes whose forward is known to take that form are fused (`MLP_CLASSES`,
-`ATTENTION_CLASSES`), and only plain `nn.Linear` projections (a LoRA layer or a quantised
-one is left as it is). The concatenated weights are copies made on entry (about 0.47 GB for
-Qwen2.5-0.5B in bf16) and dropped on exit; every module is as it was after the block, even
-on an error. Each output element is the same dot product as before; a different GEMM kernel
+`ATTENTION_CLASSES`), and only plain `nn.Linear` projections without hooks (a LoRA layer or a
+quantised one is left as it is, and so is every layer under ZeRO-3, whose hooks fetch each
+layer's weights). The concatenated weights are copies made at each module's first call of the
+block (about 0.47 GB for Qwen2.5-0.5B in bf16; under FSDP2 the weights are whole only from
+then) and dropped on exit; every module is as it was after the block, even on an error. Each output element is the same dot product as before; a different GEMM kernel
 may sum it in another order, so the logits can differ from the unfused ones in the last bits
 (tests hold them within float tolerance and greedy tokens equal).
 """
@@ -70,15 +71,31 @@ def _concat(linears: tuple[nn.Linear, ...]) -> tuple[Tensor, Tensor | None]:
     return weight, bias
 
 
+class _Concatenated:
+    """The layers' weights and biases concatenated, made at the first call: under FSDP2 the weights
+    are whole only inside the forward (its hooks unshard each layer as it runs), and the first call
+    of a generation is its prefill, eager, before any step is compiled or captured."""
+
+    def __init__(self, linears: tuple[nn.Linear, ...]):
+        self.linears = linears
+        self.weight: Tensor | None = None
+        self.bias: Tensor | None = None
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if self.weight is None:
+            self.weight, self.bias = _concat(self.linears)
+        return F.linear(x, self.weight, self.bias)
+
+
 def _fuse_mlp(mlp: nn.Module) -> bool:
     linears = (mlp.gate_proj, mlp.up_proj)
     if not _plain(*linears):
         return False
-    weight, bias = _concat(linears)
+    product = _Concatenated(linears)
     width = mlp.gate_proj.out_features
 
     def forward(x: Tensor) -> Tensor:
-        gate, up = F.linear(x, weight, bias).split([width, width], dim=-1)  # [..., I] each
+        gate, up = product(x).split([width, width], dim=-1)  # [..., I] each
         return mlp.down_proj(mlp.act_fn(gate) * up)
 
     mlp.forward = forward  # an instance attribute: nn.Module.__call__ finds it before the class's
@@ -88,8 +105,9 @@ def _fuse_mlp(mlp: nn.Module) -> bool:
 class _SharedProduct:
     """q, k and v of one attention from one GEMM: the q projection computes it, k and v take their slices."""
 
-    def __init__(self, weight: Tensor, bias: Tensor | None, widths: list[int]):
-        self.weight, self.bias, self.widths = weight, bias, widths
+    def __init__(self, linears: tuple[nn.Linear, ...]):
+        self.product = _Concatenated(linears)
+        self.widths = [m.out_features for m in linears]
         self.pending: list[Tensor] | None = None  # k and v of the last product, until taken
 
 
@@ -104,7 +122,7 @@ class _Slice(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         shared = self.shared
         if self.index == 0:
-            q, k, v = F.linear(x, shared.weight, shared.bias).split(shared.widths, dim=-1)
+            q, k, v = shared.product(x).split(shared.widths, dim=-1)
             shared.pending = [k, v]
             return q
         if shared.pending is None or shared.pending[self.index - 1] is None:
@@ -120,8 +138,7 @@ def _fuse_attention(attention: nn.Module) -> list[tuple[nn.Module, str, nn.Modul
     linears = (attention.q_proj, attention.k_proj, attention.v_proj)
     if not _plain(*linears):
         return None
-    weight, bias = _concat(linears)
-    shared = _SharedProduct(weight, bias, [m.out_features for m in linears])
+    shared = _SharedProduct(linears)
     swapped = []
     for index, (name, linear) in enumerate(zip(("q_proj", "k_proj", "v_proj"), linears)):
         setattr(attention, name, _Slice(shared, index, linear))

@@ -162,7 +162,8 @@ class StaticDecode:
                    repetition_penalty=args.repetition_penalty, sampler=sampler,
                    compile_step=getattr(args, "compile_generation", False),
                    fused_sampling=getattr(args, "fused_sampling", False),
-                   decode_kernel=getattr(args, "decode_kernel", "sdpa"))
+                   decode_kernel=getattr(args, "decode_kernel", "sdpa"),
+                   fuse_projections=getattr(args, "fuse_projections", False))
 
     def unsupported(self, model: nn.Module) -> str | None:
         """Why this loop cannot decode `model` (None: it can)."""
@@ -196,7 +197,8 @@ class StaticDecode:
                 fused_projections(lm) if self.fuse_projections else contextlib.nullcontext() as fused:
             tokens, logprobs = self._decode(model, input_ids, attention_mask, row_keys, step, head)
         self.last_call["why_not_fused"] = why_not_fused
-        self.last_call["fused_projections"] = fused
+        self.last_call["fused_projections"] = None if fused is None else {"mlps": fused.mlps,
+                                                                          "attentions": fused.attentions}
         completions, truncated = cut_after_eos(tokens, self.eos_token_ids)
         if logprobs is not None:
             rows = logprobs.cpu().tolist()

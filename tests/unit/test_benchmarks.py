@@ -546,3 +546,11 @@ def test_grpo_ours_fast_gives_every_decoding_lever_to_the_loop(tmp_path):
     fastest = grpo.RUNS["ours_compiled_triton"]
     assert (fastest.compile_generation, fastest.decode_kernel, fastest.fused_sampling) == (True, "triton", False)
     assert grpo.availability("cpu")["ours_compiled_triton"] == "CUDA only (the Triton decode kernel)"
+    # The same with the fused projections: they reach the trainer's StaticDecode.
+    fused = grpo.RUNS["ours_compiled_triton_fused_projections"]
+    assert dataclasses.replace(fused, fuse_projections=False) == dataclasses.replace(
+        fastest, name=fused.name, about=fused.about)
+    trainer = grpo.build_ours(dataclasses.replace(fused, decode_kernel="sdpa"), args, str(tmp_path / "out2"),
+                              [[5, 6, 7]] * 16, load_tokenizer("builtin:tiny-qwen2"), TrainerCallback(), None,
+                              lambda **kw: [0.0])
+    assert trainer.generator.fuse_projections is True and trainer.generator.compile_step is True
