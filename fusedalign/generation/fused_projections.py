@@ -18,13 +18,14 @@ weights are whole and do not change (the trainer updates them between generation
   the same hidden states, return their slices of that product.
 
 Only classes whose forward is known to take that form are fused (`MLP_CLASSES`,
-`ATTENTION_CLASSES`), and only plain `nn.Linear` projections without hooks (a LoRA layer or a
-quantised one is left as it is, and so is every layer under ZeRO-3, whose hooks fetch each
-layer's weights). The concatenated weights are copies made at each module's first call of the
-block (about 0.47 GB for Qwen2.5-0.5B in bf16; under FSDP2 the weights are whole only from
-then) and dropped on exit; every module is as it was after the block, even on an error. Each output element is the same dot product as before; a different GEMM kernel
-may sum it in another order, so the logits can differ from the unfused ones in the last bits
-(tests hold them within float tolerance and greedy tokens equal).
+`ATTENTION_CLASSES`), and only plain `nn.Linear` projections without hooks of their own (a
+LoRA layer or a quantised one is left as it is). The concatenated weights are copies made at
+each module's first call in the block (about 0.47 GB for Qwen2.5-0.5B in bf16; under FSDP2
+the weights are whole only from then, under ZeRO-3 for the whole generation) and dropped on
+exit; every module is as it was after the block, even on an error. Each output element is the
+same dot product as before; a different GEMM kernel may sum it in another order, so the
+logits can differ from the unfused ones in the last bits (tests hold them within float
+tolerance and the tokens equal).
 """
 
 from __future__ import annotations
