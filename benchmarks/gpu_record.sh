@@ -158,8 +158,8 @@ part attention 90 python3 benchmarks/decode_attention.py $X --repeats 20 --markd
 part compiled_generation 150 python3 benchmarks/generation.py $X --batches $BATCH --repeats 1 \
     --methods ours ours_compiled --model_dir "$MODEL" --log_dir "$LOGS/compiled_generation" \
     --markdown_out "$OUT/compiled_generation.md"
-part fast_grpo 400 python3 benchmarks/e2e_grpo.py $X --configs ours ours_compiled_triton \
-    ours_compiled_triton_fused_projections trl \
+part fast_grpo 400 python3 benchmarks/e2e_grpo.py $X --configs trl ours ours_compiled_triton \
+    ours_compiled_triton_fused_projections \
     --warmup_steps 1 --timed_steps 2 --model_dir "$MODEL" --log_dir "$LOGS/fast_grpo" \
     --markdown_out "$OUT/fast_grpo.md"
 part compiled_grpo 200 python3 benchmarks/e2e_grpo.py $X --configs ours ours_compiled \
