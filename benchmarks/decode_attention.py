@@ -21,11 +21,11 @@ number of cache slots read, one call of:
                            query heads as one block against its key/value head, the slots
                            split over programs when the batch is small (CUDA only; its CPU
                            check runs under Triton's interpreter in the tests)
-    triton_skip_masked     the same kernel with Launch(skip_masked=True): the masked slots'
-                           keys and values are not loaded (each row's left padding here,
-                           a decoding step's window of unwritten slots in StaticDecode);
-                           "reads MB" counts every slot, so its TB/s is what the default
-                           launch would need to match it
+    triton_loads_masked    the same kernel with Launch(skip_masked=False): the masked slots'
+                           keys and values are loaded too (each row's left padding here, a
+                           decoding step's window of unwritten slots in StaticDecode), as the
+                           default launch did before it skipped them; "reads MB" counts every
+                           slot, masked or not
 
 and with --triton_configs the Triton kernel under every launch of a grid (slots a program reads
 per iteration 32/64/128, warps 2/4/8, pipeline stages 2/3/4: `triton bn64 w4 s3`), to choose its
@@ -55,7 +55,7 @@ from benchmarks.harness.env import log, versions, versions_line  # noqa: E402
 from benchmarks.harness.tables import fmt, markdown, write_markdown  # noqa: E402
 
 VARIANTS = ("grouped_sdpa", "grouped_sdpa_additive", "gqa_sdpa", "matmul", "matmul_compiled", "flex_compiled",
-            "triton_grouped", "triton_skip_masked")
+            "triton_grouped", "triton_loads_masked")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -146,10 +146,10 @@ def variants(names, device, triton_configs: bool = False) -> dict:
 
         return decode_attention(query, key, value, visible, query.shape[-1] ** -0.5)
 
-    def triton_skip_masked(query, key, value, visible, additive):
+    def triton_loads_masked(query, key, value, visible, additive):
         from fusedalign.generation.decode_kernel import Launch, grouped_decode
 
-        return grouped_decode(query, key, value, visible, query.shape[-1] ** -0.5, Launch(skip_masked=True))
+        return grouped_decode(query, key, value, visible, query.shape[-1] ** -0.5, Launch(skip_masked=False))
 
     table = {
         "grouped_sdpa": lambda q, k, v, visible, additive: grouped(q, k, v, visible[:, None, None, :]),
@@ -160,7 +160,7 @@ def variants(names, device, triton_configs: bool = False) -> dict:
         "matmul_compiled": torch.compile(matmul, dynamic=True),
         "flex_compiled": torch.compile(flex, dynamic=True) if device.type == "cuda" else None,
         "triton_grouped": triton_grouped if device.type == "cuda" else None,
-        "triton_skip_masked": triton_skip_masked if device.type == "cuda" else None,
+        "triton_loads_masked": triton_loads_masked if device.type == "cuda" else None,
     }
     chosen = {name: table[name] for name in names}
     if triton_configs:
@@ -177,7 +177,8 @@ def launches(device) -> dict:
     def launched(config):
         return lambda q, k, v, visible, additive: grouped_decode(q, k, v, visible, q.shape[-1] ** -0.5, config)
 
-    return {f"triton bn{bn} w{w} s{st}": launched(Launch(bn, w, st)) if device.type == "cuda" else None
+    return {f"triton bn{bn} w{w} s{st}": launched(Launch(bn, w, st, skip_masked=True)) if device.type == "cuda"
+            else None
             for bn, w, st in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4))}
 
 

@@ -15,8 +15,9 @@ then the whole step as one graph (what StaticDecode replays) and the whole step 
 the host adds: the launches); with --compile, the whole step compiled by inductor and then
 captured (what StaticDecode(compile_step=True) replays); with --fused_sampling, the whole step
 with the draw inside the head (`generation/sampling_head.py`: no [B, V] logits, what
-StaticDecode(fused_sampling=True) runs), as one graph and, with --compile, compiled first. The
-decode limit of the shape at
+StaticDecode(fused_sampling=True) runs), as one graph and, with --compile, compiled first; with
+--fuse_projections, the whole step with each layer's q/k/v and gate/up projections as one GEMM
+each (`generation/fused_projections.py`), likewise. The decode limit of the shape at
 that batch and context (`harness/decode_limit.py`, datasheet peaks) sets the floor the step
 could reach.
 
@@ -79,6 +80,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fused_sampling", action="store_true",
                    help="also time the whole step with the draw inside the head (StaticDecode(fused_sampling=True)), "
                         "as one graph and, with --compile, compiled first")
+    p.add_argument("--fuse_projections", action="store_true",
+                   help="also time the whole step with each layer's q/k/v and gate/up projections as one GEMM each "
+                        "(StaticDecode(fuse_projections=True)), as one graph and, with --compile, compiled first; "
+                        "and, with --kernels, its compiled step's kernels")
     p.add_argument("--kernels", type=int, default=0, metavar="N",
                    help="also list the N kernels that take the most GPU time in the forward (torch.profiler) "
                         "and, with --compile, in the whole compiled step")
@@ -243,6 +248,19 @@ def profile_batch(args, model, batch: int, clock: Clock) -> dict[str, float]:
             kernels = [("forward, eager", *k) for k in top_kernels(forward, args.kernels)]
             if compiled_whole is not None:  # where the compiled step's time goes (inductor's kernels by name)
                 kernels += [("step, compiled", *k) for k in top_kernels(compiled_whole, args.kernels)]
+        if args.fuse_projections:
+            from fusedalign.generation.fused_projections import fused_projections
+
+            with fused_projections(model):
+                times["step, projections fused, one graph"] = clock.graph_ms(whole)
+                if args.compile:
+                    # dynamo's code cache for `whole` holds the unfused step: compile the fused one anew.
+                    torch._dynamo.reset()
+                    fused_whole = torch.compile(whole, dynamic=True)
+                    times["step, projections fused, compiled, one graph"] = clock.graph_ms(fused_whole)
+                    if args.kernels and device.type == "cuda":
+                        kernels += [("step, projections fused, compiled", *k)
+                                    for k in top_kernels(fused_whole, args.kernels)]
     del cache
     return times, kernels
 

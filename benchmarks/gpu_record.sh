@@ -36,12 +36,13 @@
 # step with the Triton attention kernel, by part, and generation with it, alone and with the step
 # compiled and the draw inside the head); PARTS="fused_decode triton_configs" (about 8 minutes: the
 # step at batch 512 with the Triton kernel, compiled, with and without the draw inside the head;
-# the kernel alone under each launch of a grid, to choose its default); PARTS=fast_grpo (about 4
+# the kernel alone under each launch of a grid, to choose its default); PARTS=fast_grpo (at most 7
 # minutes: GRPO at 64 x 8 x 256 with the fastest decoding step measured, ours_compiled_triton:
-# compiled, the Triton kernel, the logits' draw, which beat the draw in the head at 71009fc, against
-# ours and TRL);
-# PARTS=decode_kernels (about 5 minutes: the step at batch 512 with the Triton kernel, compiled, and
-# the kernels that take its time, by name and by kind, for the eager forward and the compiled step);
+# compiled, the Triton kernel, the logits' draw, which beat the draw in the head at 71009fc, and the
+# same with the fused projections, against ours and TRL);
+# PARTS=decode_kernels (about 7 minutes: the step at batch 512 with the Triton kernel, compiled, and
+# the kernels that take its time, by name and by kind, for the eager forward and the compiled step;
+# then the same step with each layer's q/k/v and gate/up projections as one GEMM each);
 # PARTS=distill_memory (about 3 minutes, with its teacher: ours padding-free with checkpointing, and
 # what is alive at the peak of one more step, by the line that allocated it); PARTS=distill_parts
 # (about 3 minutes: ours padding-free alone, each micro-batch part's divergence sum and tokens by
@@ -157,7 +158,8 @@ part attention 90 python3 benchmarks/decode_attention.py $X --repeats 20 --markd
 part compiled_generation 150 python3 benchmarks/generation.py $X --batches $BATCH --repeats 1 \
     --methods ours ours_compiled --model_dir "$MODEL" --log_dir "$LOGS/compiled_generation" \
     --markdown_out "$OUT/compiled_generation.md"
-part fast_grpo 300 python3 benchmarks/e2e_grpo.py $X --configs ours ours_compiled_triton trl \
+part fast_grpo 400 python3 benchmarks/e2e_grpo.py $X --configs trl ours ours_compiled_triton \
+    ours_compiled_triton_fused_projections \
     --warmup_steps 1 --timed_steps 2 --model_dir "$MODEL" --log_dir "$LOGS/fast_grpo" \
     --markdown_out "$OUT/fast_grpo.md"
 part compiled_grpo 200 python3 benchmarks/e2e_grpo.py $X --configs ours ours_compiled \
@@ -173,9 +175,10 @@ part triton_decode 60 python3 benchmarks/decode_profile.py $X --batches $BATCHES
     $TRITON --model_dir "$MODEL" --markdown_out "$OUT/triton_decode.md"
 part fused_decode 330 python3 benchmarks/decode_profile.py $X --batches $BATCH --repeats 5 --compile --fused_sampling \
     $TRITON --model_dir "$MODEL" --markdown_out "$OUT/fused_decode.md"
-part decode_kernels 300 python3 benchmarks/decode_profile.py $X --batches $BATCH --repeats 5 --compile --kernels 15 \
+part decode_kernels 420 python3 benchmarks/decode_profile.py $X --batches $BATCH --repeats 5 --compile --kernels 15 \
+    --fuse_projections \
     $TRITON --model_dir "$MODEL" --markdown_out "$OUT/decode_kernels.md"
-part triton_configs 150 python3 benchmarks/decode_attention.py $X --repeats 20 --variants grouped_sdpa triton_grouped triton_skip_masked \
+part triton_configs 150 python3 benchmarks/decode_attention.py $X --repeats 20 --variants grouped_sdpa triton_grouped triton_loads_masked \
     --triton_configs --slots 256 512 --markdown_out "$OUT/triton_configs.md"
 part triton_generation 200 python3 benchmarks/generation.py $X --batches $BATCH --repeats 1 \
     --methods ours ours_triton ours_compiled_triton_fused --model_dir "$MODEL" --log_dir "$LOGS/triton_generation" \

@@ -33,6 +33,7 @@ class GRPORun:
     share_prompt: bool = False         # ours, with padding_free: each group's prompt once
     fused_sampling: bool = False       # ours (static): the draw inside the head's forward
     decode_kernel: str = "sdpa"        # ours (static): the decoding step's grouped attention
+    fuse_projections: bool = False     # ours (static): q/k/v and gate/up as one GEMM each while decoding
     about: str = ""
 
 
@@ -58,6 +59,10 @@ RUNS = {r.name: r for r in (
     GRPORun("ours_compiled_triton", "ours", compile_generation=True, decode_kernel="triton", generation_backend="static",
             about="ours with the fastest decoding step measured (71009fc, H100): compiled, with the Triton attention "
                   "kernel, the draw from the logits; CUDA only"),
+    GRPORun("ours_compiled_triton_fused_projections", "ours", compile_generation=True, decode_kernel="triton",
+            generation_backend="static", fuse_projections=True,
+            about="ours_compiled_triton with each layer's q/k/v and gate/up projections as one GEMM each while "
+                  "decoding (fuse_projections=True); CUDA only"),
     GRPORun("ours_padding_free", "ours", padding_free=True,
             about="ours with padding_free=True: each step's completions in packed rows up to the token budget"),
     GRPORun("ours_shared_prompt", "ours", padding_free=True, share_prompt=True,
@@ -229,7 +234,8 @@ def build_ours(run, s, output_dir, prompts, tokenizer, callback, timers, reward)
     args = GRPOConfig(**grpo_args(s, output_dir), model_init_kwargs={"dtype": WEIGHTS[s.dtype]},
                       compile_generation=run.compile_generation,
                       generation_backend=run.generation_backend, compile_layers=run.compile_layers,
-                      fused_sampling=run.fused_sampling, decode_kernel=run.decode_kernel, **packing)
+                      fused_sampling=run.fused_sampling, decode_kernel=run.decode_kernel,
+                      fuse_projections=run.fuse_projections, **packing)
     index = list(range(len(prompts)))
     rows = Dataset.from_dict({"prompt": [str(i) for i in index], "prompt_ids": prompts, "row_index": index})
     trainer = BenchGRPOTrainer(model=s.model_dir, reward_funcs=[reward], args=args, train_dataset=rows,

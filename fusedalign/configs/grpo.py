@@ -100,6 +100,10 @@ class GRPOConfig(FusedAlignConfig):
     decode_kernel: str = field(
         default="sdpa", metadata={"help": "static only (not in TRL): what computes a decoding step's grouped attention: "
                                   "sdpa (cuDNN's, the default) or triton (fusedalign's kernel, CUDA)."})
+    fuse_projections: bool = field(
+        default=False, metadata={"help": "static only (not in TRL): while generating, each layer's q/k/v projections "
+                                 "as one GEMM and its gate/up projections as another (Llama, Qwen2/3, Mistral, "
+                                 "Gemma/Gemma2 forms; plain linear layers); the same math, fewer small GEMMs."})
     keyed_sampling: bool = field(
         default=False, metadata={"help": "Draw tokens by key (seed, step, row, generation, position): the same "
                                  "completions on any split over ranks and batches."})
@@ -165,7 +169,8 @@ class GRPOConfig(FusedAlignConfig):
                              "--keyed_sampling (which samples new ones)")
         check_choice("decode_kernel", self.decode_kernel, tuple(KERNELS))
         static_only = [flag for flag, on in (("fused_sampling", self.fused_sampling),
-                                             ("decode_kernel", self.decode_kernel != "sdpa")) if on]
+                                             ("decode_kernel", self.decode_kernel != "sdpa"),
+                                             ("fuse_projections", self.fuse_projections)) if on]
         if static_only and self.resolved_generation_backend == "generate":
             why = ("--generation_backend generate" if self.generation_backend == "generate"
                    else "--generation_backend auto, which picks generate here (no CUDA device, or a generate-only "

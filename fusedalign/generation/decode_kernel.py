@@ -14,11 +14,12 @@ When rows x key/value heads are too few to fill the GPU, each program takes a sh
 slots (`splits`) and a few tensor ops combine the shares by their maxima and sums.
 
 The mask is the decoding step's boolean one (True: attend; a row's left padding False). Slots
-past the mask's width are not read, as in the grouped sdpa. With `Launch.skip_masked` neither
-are the masked slots within it: a CUDA graph's window of slots (`StaticDecode.window_slots`)
-is rounded up past the slots written, and a row's left padding holds nothing to read; the
-mask is then read first and the keys' and values' loads wait for it (measured against the
-default launch by benchmarks/decode_attention.py's `triton_skip_masked`). Masked scores are set to -1e30, a
+past the mask's width are not read, as in the grouped sdpa. With `Launch.skip_masked` (the
+default launch's) neither are the masked slots within it: a CUDA graph's window of slots
+(`StaticDecode.window_slots`) is rounded up past the slots written, and a row's left padding
+holds nothing to read; the mask is then read first and the keys' and values' loads wait for it
+(measured against the launch that loads them by benchmarks/decode_attention.py's
+`triton_loads_masked`). Masked scores are set to -1e30, a
 finite value, and their probabilities to 0: a share of slots that are all masked then has sum
 0 and a maximum that weighs nothing beside a real one, never a NaN.
 
@@ -56,7 +57,9 @@ class Launch(NamedTuple):
     skip_masked: bool = False
 
 
-DEFAULT = Launch()
+# Masked slots unread: never slower than loading them, and 10-17% faster at batch 256 and 512
+# (benchmarks/decode_attention.py --triton_configs, af7e42b, one H100, docs/benchmarks.md).
+DEFAULT = Launch(skip_masked=True)
 
 
 @triton.jit

@@ -68,6 +68,7 @@ from .decode_state import (
 )
 from . import sampling_head as sampling
 from .decode_attention import GROUPED, GROUPED_TRITON, KERNELS, decoding_attention, decoding_implementation
+from .fused_projections import fused_projections
 from .keyed import KeyedSampler
 
 MASK_IMPLEMENTATIONS = (GROUPED, GROUPED_TRITON, "sdpa", "eager")
@@ -107,6 +108,10 @@ class StaticDecode:
         decode_kernel: what computes a step's grouped attention: "sdpa" (the grouped sdpa,
             `decode_attention.py`) or "triton" (`decode_kernel.py`, on CUDA; opt-in until
             measured against the grouped sdpa on a GPU).
+        fuse_projections: each layer's q, k and v projections as one GEMM, and its gate and up
+            projections as one, for the length of a call (`generation/fused_projections.py`; models
+            of the Llama, Qwen2/3, Mistral and Gemma/Gemma2 forms with plain linear layers; opt-in
+            until measured on a GPU).
     """
 
     def __init__(self, *, max_new_tokens: int, eos_token_id: int | Sequence[int], pad_token_id: int,
@@ -114,7 +119,7 @@ class StaticDecode:
                  top_p: float = 1.0, top_k: int = 0, min_p: float | None = None, repetition_penalty: float = 1.0,
                  sampler: KeyedSampler | None = None, cuda_graphs: bool = True, check_every: int = 16,
                  compact_below: float = 0.5, fused_sampling: bool = False, window_slots: int = 256,
-                 compile_step: bool = False, decode_kernel: str = "sdpa"):
+                 compile_step: bool = False, decode_kernel: str = "sdpa", fuse_projections: bool = False):
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         if decode_kernel not in KERNELS:
@@ -138,6 +143,7 @@ class StaticDecode:
         self.compact_below = compact_below
         self.fused_sampling = fused_sampling
         self.compile_step = compile_step
+        self.fuse_projections = fuse_projections
         self._announced = False
         self.fallback = HFGenerate(max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
                                    bos_token_id=bos_token_id, do_sample=do_sample, temperature=temperature,
@@ -156,7 +162,8 @@ class StaticDecode:
                    repetition_penalty=args.repetition_penalty, sampler=sampler,
                    compile_step=getattr(args, "compile_generation", False),
                    fused_sampling=getattr(args, "fused_sampling", False),
-                   decode_kernel=getattr(args, "decode_kernel", "sdpa"))
+                   decode_kernel=getattr(args, "decode_kernel", "sdpa"),
+                   fuse_projections=getattr(args, "fuse_projections", False))
 
     def unsupported(self, model: nn.Module) -> str | None:
         """Why this loop cannot decode `model` (None: it can)."""
@@ -186,9 +193,12 @@ class StaticDecode:
         # inside would swap a module's forward in the compiled step, a graph break.
         head = None if why_not_fused else self._sampling_state(post_processing_of(lm))
         with torch.no_grad(), decoding_attention(lm, self.decode_kernel), \
-                sampling.sampling_head(lm, head) if head is not None else contextlib.nullcontext():
+                sampling.sampling_head(lm, head) if head is not None else contextlib.nullcontext(), \
+                fused_projections(lm) if self.fuse_projections else contextlib.nullcontext() as fused:
             tokens, logprobs = self._decode(model, input_ids, attention_mask, row_keys, step, head)
         self.last_call["why_not_fused"] = why_not_fused
+        self.last_call["fused_projections"] = None if fused is None else {"mlps": fused.mlps,
+                                                                          "attentions": fused.attentions}
         completions, truncated = cut_after_eos(tokens, self.eos_token_ids)
         if logprobs is not None:
             rows = logprobs.cpu().tolist()

@@ -88,9 +88,11 @@ _kl = ({**GRPO, "name": "grpo_kl", "fused": True, "per_device_batch": 4, "loss_t
         "top_entropy_quantile": 0.5}, "grpo_kl")
 _lora = ({**GRPO, "name": "lora_kl", "fused": True, "per_device_batch": 4, "beta": 0.1, **LORA}, "lora_kl")
 _keyed = ({**GRPO, "name": "keyed", "fused": True, "per_device_batch": 4, "keyed": True}, "keyed")
-# StaticDecode's own decoding loop (eager on CPU) on the weights each backend makes whole.
+# StaticDecode's own decoding loop (eager on CPU) on the weights each backend makes whole, with each
+# layer's projections fused while decoding (the copies taken at each module's first call: FSDP2
+# makes its weights whole inside the forward, ZeRO-3 gathers them around the whole generation).
 _keyed_static = ({**GRPO, "name": "keyed_static", "fused": True, "per_device_batch": 4, "keyed": True,
-                  "generation_backend": "static"}, "keyed")
+                  "generation_backend": "static", "fuse_projections": True}, "keyed")
 # The sampling head (the draw inside the head's forward) and compaction of the rows that ended, on the
 # weights ZeRO-3 and FSDP2 make whole, against one process's logits path, uncompacted rows included.
 _keyed_fused = ({**GRPO, "name": "keyed_fused_sampling", "fused": True, "per_device_batch": 4, "keyed": True,
@@ -189,6 +191,8 @@ def test_backend_equals_single_process_unfused(runs, backend, name, want):
         assert result(got, name)["generator"] == "StaticDecode"
         assert result(got, name)["generator_last_call"]["path"] == "static"
         assert result(baseline, want)["generator"] == "HFGenerate"
+        fused = result(got, name)["generator_last_call"]["fused_projections"]
+        assert fused == {"mlps": 2, "attentions": 2}, (backend, fused)  # tiny-qwen2's two layers, every one
 
 
 def _keys(out, name: str) -> list[list[list[tuple[int, int]]]]:

@@ -404,6 +404,29 @@ def test_decode_profile_times_the_step_with_the_draw_in_the_head_under_capture_r
         decode_profile.main(["--device", "cpu", "--tiny", "--repeats", "1", "--fused_sampling", "--top_k", "5"])
 
 
+def test_decode_profile_times_the_step_with_fused_projections_under_capture_rules(tmp_path, monkeypatch):
+    """--fuse_projections adds the whole step with the fused projections installed, held to the
+    rules of a capture; the model is as it was afterwards."""
+    from benchmarks import decode_profile
+    from fusedalign.generation import fused_projections as fp
+
+    captured = _held_to_capture_rules(monkeypatch)
+    entered = []
+    real = fp.fused_projections
+
+    def counting(model):
+        entered.append(type(model).__name__)
+        return real(model)
+
+    monkeypatch.setattr(fp, "fused_projections", counting)
+    out = tmp_path / "fused.md"
+    assert decode_profile.main(["--device", "cpu", "--tiny", "--repeats", "1", "--fuse_projections",
+                                "--markdown_out", str(out)]) == 0
+    assert "| step, projections fused, one graph |" in out.read_text()
+    assert entered == ["Qwen2ForCausalLM"]
+    assert len(captured) == len(decode_profile.PARTS) + 2  # each part, the whole step, the fused step
+
+
 def test_decode_profile_kernel_list_is_the_top_then_every_kernel_by_kind():
     # On the CPU the same function lists CPU operators: the top `count` by time, in order, then
     # each kind's total over every operator, which holds at least the top rows' time.
@@ -447,7 +470,7 @@ def test_decode_attention_cpu_smoke_times_every_variant_and_checks_it_against_fl
     rows = [line.split("|")[1:-1] for line in out.read_text().splitlines() if line.startswith("| 3 |")]
     assert len(rows) == 2 * len(decode_attention.VARIANTS)
     for batch, slots, variant, ms, read_mb, rate, error, step_ms in (map(str.strip, r) for r in rows):
-        if variant in ("flex_compiled", "triton_grouped", "triton_skip_masked"):
+        if variant in ("flex_compiled", "triton_grouped", "triton_loads_masked"):
             assert (ms, error) == ("—", "RuntimeError")
             continue
         assert float(ms) > 0 and float(error) < 1e-5, (variant, slots, ms, error)
@@ -523,3 +546,11 @@ def test_grpo_ours_fast_gives_every_decoding_lever_to_the_loop(tmp_path):
     fastest = grpo.RUNS["ours_compiled_triton"]
     assert (fastest.compile_generation, fastest.decode_kernel, fastest.fused_sampling) == (True, "triton", False)
     assert grpo.availability("cpu")["ours_compiled_triton"] == "CUDA only (the Triton decode kernel)"
+    # The same with the fused projections: they reach the trainer's StaticDecode.
+    fused = grpo.RUNS["ours_compiled_triton_fused_projections"]
+    assert dataclasses.replace(fused, fuse_projections=False) == dataclasses.replace(
+        fastest, name=fused.name, about=fused.about)
+    trainer = grpo.build_ours(dataclasses.replace(fused, decode_kernel="sdpa"), args, str(tmp_path / "out2"),
+                              [[5, 6, 7]] * 16, load_tokenizer("builtin:tiny-qwen2"), TrainerCallback(), None,
+                              lambda **kw: [0.0])
+    assert trainer.generator.fuse_projections is True and trainer.generator.compile_step is True

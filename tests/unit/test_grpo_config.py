@@ -101,16 +101,18 @@ def test_compiled_generation_is_refused_where_the_weights_are_gathered_anew(tmp_
 
 
 def test_static_loop_options_reach_the_loop_and_are_refused_where_generate_samples():
-    """--fused_sampling and --decode_kernel are options of the static loop: given to StaticDecode
+    """--fused_sampling, --decode_kernel and --fuse_projections are options of the static loop: given to StaticDecode
     with --generation_backend static, refused in one line naming the flag where generate samples
     (asked for, or picked by auto on this CPU machine), a kernel not in the list refused too."""
     from fusedalign.generation import StaticDecode
     from fusedalign.models import load_tokenizer
 
-    assert make().fused_sampling is False and make().decode_kernel == "sdpa"
-    args = make(generation_backend="static", fused_sampling=True, decode_kernel="triton")
+    assert make().fused_sampling is False and make().decode_kernel == "sdpa" and make().fuse_projections is False
+    args = make(generation_backend="static", fused_sampling=True, decode_kernel="triton", fuse_projections=True)
     decode = StaticDecode.from_args(args, load_tokenizer("builtin:tiny-qwen2"))
-    assert decode.fused_sampling is True and decode.decode_kernel == "triton"
+    assert decode.fused_sampling is True and decode.decode_kernel == "triton" and decode.fuse_projections is True
+    with pytest.raises(ValueError, match=r"^--fuse_projections is an option of the static decoding loop; "):
+        make(generation_backend="generate", fuse_projections=True)
     with pytest.raises(ValueError, match=r"^--fused_sampling is an option of the static decoding loop; "
                                          r"--generation_backend generate does not use it"):
         make(generation_backend="generate", fused_sampling=True)
