@@ -46,11 +46,11 @@
 # PARTS=distill_memory (about 3 minutes, with its teacher: ours padding-free with checkpointing, and
 # what is alive at the peak of one more step, by the line that allocated it); PARTS=distill_parts
 # (about 3 minutes: ours padding-free alone, each micro-batch part's divergence sum and tokens by
-# step, to see whether a repeated step loss repeats part by part); PARTS=grpo_profile (about 4
+# step, to see whether a repeated step loss repeats part by part); PARTS=grpo_profile (at most 5.5
 # minutes: GRPO's training alone at 64 x 8 x 256, completions of random ids in place of
-# generation, ours packed with the prompt shared and ours padded (TRL's step is not what the
-# profile asks about), and one more step of each under torch.profiler: wall time against GPU
-# busy time, kernels by kind); PARTS=generation_128,
+# generation, ours packed with the prompt shared (eager, then with its decoder layers compiled:
+# fewer, fused launches a row) and ours padded (TRL's step is not what the profile asks about),
+# and one more step of each under torch.profiler: wall time against GPU busy time, kernels by kind); PARTS=generation_128,
 # PARTS=generation_512 (at most 8 minutes each: batches 64, 256 and 512, 256 new tokens a row,
 # ours against generate as TRL runs it and generate with its static cache and compiled decoding)
 # and PARTS=generation_real (at most 9 minutes: the same at batch 512 with completions of
@@ -149,7 +149,7 @@ part grpo_real 540 python3 benchmarks/e2e_grpo.py $X --configs trl ours_shared_p
 part grpo_longest 540 python3 benchmarks/e2e_grpo.py $X --longest_search --configs trl ours_shared_prompt \
     --max_tokens_per_batch 0 $LONGEST --model_dir "$MODEL" --log_dir "$LOGS/grpo_longest" \
     --markdown_out "$OUT/grpo_longest.md"
-part grpo_profile 240 python3 benchmarks/e2e_grpo.py $X --configs ours_shared_prompt ours --random_completions \
+part grpo_profile 330 python3 benchmarks/e2e_grpo.py $X --configs ours_shared_prompt ours_shared_prompt_compile ours --random_completions \
     $PROFILE --warmup_steps 1 --timed_steps 1 --max_tokens_per_batch $GRPO_BUDGET \
     --model_dir "$MODEL" --log_dir "$LOGS/grpo_profile" --markdown_out "$OUT/grpo_profile.md"
 part compiled_decode 120 python3 benchmarks/decode_profile.py $X --batches $BATCH --repeats 5 --compile \
