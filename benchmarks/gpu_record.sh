@@ -50,7 +50,10 @@
 # minutes: GRPO's training alone at 64 x 8 x 256, completions of random ids in place of
 # generation, ours packed with the prompt shared (eager, then with its decoder layers compiled:
 # fewer, fused launches a row) and ours padded (TRL's step is not what the profile asks about),
-# and one more step of each under torch.profiler: wall time against GPU busy time, kernels by kind); PARTS=generation_128,
+# and one more step of each under torch.profiler: wall time against GPU busy time, kernels by kind);
+# PARTS=packed_attention (at most 3 minutes: one packed GRPO row's attention, forward and
+# backward, flex attention as transformers runs it for 14 query heads (keys and values repeated),
+# flex with enable_gqa, and sdpa on the same completions padded); PARTS=generation_128,
 # PARTS=generation_512 (at most 8 minutes each: batches 64, 256 and 512, 256 new tokens a row,
 # ours against generate as TRL runs it and generate with its static cache and compiled decoding)
 # and PARTS=generation_real (at most 9 minutes: the same at batch 512 with completions of
@@ -155,6 +158,7 @@ part grpo_profile 330 python3 benchmarks/e2e_grpo.py $X --configs ours_shared_pr
 part compiled_decode 120 python3 benchmarks/decode_profile.py $X --batches $BATCH --repeats 5 --compile \
     --model_dir "$MODEL" --markdown_out "$OUT/compiled_decode.md"
 part attention 90 python3 benchmarks/decode_attention.py $X --repeats 20 --markdown_out "$OUT/attention.md"
+part packed_attention 180 python3 benchmarks/packed_attention.py $X --markdown_out "$OUT/packed_attention.md"
 part compiled_generation 150 python3 benchmarks/generation.py $X --batches $BATCH --repeats 1 \
     --methods ours ours_compiled --model_dir "$MODEL" --log_dir "$LOGS/compiled_generation" \
     --markdown_out "$OUT/compiled_generation.md"

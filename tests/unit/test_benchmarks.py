@@ -554,3 +554,23 @@ def test_grpo_ours_fast_gives_every_decoding_lever_to_the_loop(tmp_path):
                               [[5, 6, 7]] * 16, load_tokenizer("builtin:tiny-qwen2"), TrainerCallback(), None,
                               lambda **kw: [0.0])
     assert trainer.generator.fuse_projections is True and trainer.generator.compile_step is True
+
+
+def test_packed_attention_cpu_smoke_agrees_across_layouts(tmp_path):
+    """Every variant's row holds its time and its largest difference from flex_repeat's output on
+    the same tokens: tiny for flex with enable_gqa and for the padded layout (each completion
+    seeing its own prompt copy), so the packed row's mask keeps exactly each completion's
+    prompt and itself. Flex attention's backward does not run on the CPU: its column says so."""
+    from benchmarks import packed_attention
+
+    out = tmp_path / "packed.md"
+    assert packed_attention.main(["--device", "cpu", "--tiny", "--repeats", "1", "--warmup", "1",
+                                  "--groups", "1", "3", "--markdown_out", str(out)]) == 0
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in out.read_text().splitlines()
+            if line.startswith("| 1 |") or line.startswith("| 3 |")]
+    assert [(r[0], r[3]) for r in rows] == [(g, v) for g in "13" for v in packed_attention.VARIANTS]
+    for groups, tokens, padded, variant, forward, both, diff in rows:
+        assert float(forward) > 0 and float(diff) < 1e-5, (groups, variant, diff)
+        assert (both == "—") == variant.startswith("flex"), (variant, both)
+        assert int(tokens.replace(",", "")) == int(groups) * (8 + 3 * 16)
+        assert int(padded.replace(",", "")) == int(groups) * 3 * (8 + 16)
