@@ -39,14 +39,48 @@ def by_kind(kernels) -> list[tuple[str, float, int]]:
     return sorted(((k, ms, n) for k, (ms, n) in kinds.items()), key=lambda row: -row[1])
 
 
+# Host calls that wait for the GPU (or make it wait for the host), by the name the profiler gives them:
+# a read-back of a value (`.item()`, `int(t)`, `bool(t)`, `nonzero`, a boolean mask's indexing) runs
+# aten::_local_scalar_dense or aten::nonzero and a stream synchronisation; the GPU idles from the end of
+# its queue until the host has launched the next kernels.
+HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense",
+              "aten::nonzero", "cudaMemcpy")
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx", "cudaGraphLaunch")
+
+
+def host_side(events) -> dict:
+    """What the host did in the profiled step: its waits for the GPU (calls and milliseconds, by the
+    names in HOST_WAITS, prefix match), its kernel launches, and its top operators by their own time."""
+    cpu = [e for e in events if e.device_type.name == "CPU"]
+    waits: dict[str, list] = {}
+    launches = [0, 0.0]
+    for e in cpu:
+        if any(e.key.startswith(w) for w in HOST_WAITS):
+            row = waits.setdefault(e.key, [0, 0.0])
+            row[0] += e.count
+            row[1] += e.self_cpu_time_total / 1e3
+        if e.key in LAUNCHES:
+            launches[0] += e.count
+            launches[1] += e.self_cpu_time_total / 1e3
+    ops = sorted(((e.key, e.self_cpu_time_total / 1e3, e.count) for e in cpu if e.key.startswith("aten::")),
+                 key=lambda x: -x[1])
+    return {"waits": [{"call": k, "calls": n, "ms": round(ms, 3)} for k, (n, ms) in
+                      sorted(waits.items(), key=lambda kv: -kv[1][1])],
+            "launches": {"calls": launches[0], "ms": round(launches[1], 3)},
+            "top_ops": [{"op": k[:60], "ms": round(ms, 3), "calls": c} for k, ms, c in ops[:10]]}
+
+
 def summarise_profile(prof, step_s: float) -> dict:
-    """The profiled step's top CUDA kernels, their time by kind, and how busy the GPU was."""
-    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]  # kernels, not the ops launching them
+    """The profiled step's top CUDA kernels, their time by kind, how busy the GPU was, and what the
+    host did meanwhile (`host_side`)."""
+    averages = list(prof.key_averages())
+    events = [e for e in averages if e.device_type.name == "CUDA"]  # kernels, not the ops launching them
     kernels = sorted(((e.key, e.self_device_time_total / 1e3, e.count) for e in events
                       if e.self_device_time_total > 0), key=lambda x: -x[1])
     return {"step_ms": step_s * 1e3, "gpu_busy_ms": sum(ms for _, ms, _ in kernels),
             "by_kind": {k: round(ms, 3) for k, ms, _ in by_kind(kernels)},
-            "top": [{"kernel": k[:110], "ms": round(ms, 3), "calls": c} for k, ms, c in kernels[:40]]}
+            "top": [{"kernel": k[:110], "ms": round(ms, 3), "calls": c} for k, ms, c in kernels[:40]],
+            "host": host_side(averages)}
 
 
 def write_trace(prof, path: str) -> None:
@@ -119,4 +153,11 @@ def format_profile(prof: dict, top: int = 25) -> list[str]:
     lines = [f"profile (one extra step): {prof['step_ms']:.1f} ms wall, GPU kernels {prof['gpu_busy_ms']:.1f} ms; "
              "by kind: " + ", ".join(f"{k} {v:.1f}" for k, v in prof.get("by_kind", {}).items()) + "; top kernels:"]
     lines += [f"  {row['ms']:9.3f} ms {row['calls']:6d}x  {row['kernel']}" for row in prof["top"][:top]]
+    host = prof.get("host")
+    if host:
+        launches = host["launches"]
+        lines.append(f"host: {launches['calls']} kernel launches ({launches['ms']:.1f} ms); waits for the GPU: "
+                     + (", ".join(f"{w['call']} {w['calls']}x {w['ms']:.1f} ms" for w in host["waits"]) or "none")
+                     + "; top operators by own host time:")
+        lines += [f"  {row['ms']:9.3f} ms {row['calls']:6d}x  {row['op']}" for row in host["top_ops"]]
     return lines

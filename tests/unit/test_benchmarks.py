@@ -574,3 +574,29 @@ def test_packed_attention_cpu_smoke_agrees_across_layouts(tmp_path):
         assert (both == "—") == variant.startswith("flex"), (variant, both)
         assert int(tokens.replace(",", "")) == int(groups) * (8 + 3 * 16)
         assert int(padded.replace(",", "")) == int(groups) * 3 * (8 + 16)
+
+
+def test_a_profiles_host_side_counts_its_waits_for_the_gpu_and_its_launches():
+    """Read-backs and synchronisations are summed by name (the GPU idles behind each), launches
+    counted apart, operators ranked by their own host time; kernels (CUDA events) are left out."""
+    from types import SimpleNamespace
+
+    from benchmarks.harness.profiling import format_profile, host_side
+
+    def event(key, device, count, cpu_us):
+        return SimpleNamespace(key=key, device_type=SimpleNamespace(name=device), count=count,
+                               self_cpu_time_total=cpu_us, self_device_time_total=0)
+
+    events = [event("cudaStreamSynchronize", "CPU", 24, 300_000.0), event("aten::_local_scalar_dense", "CPU", 48, 2_000.0),
+              event("cudaLaunchKernel", "CPU", 9000, 45_000.0), event("aten::mm", "CPU", 500, 9_000.0),
+              event("aten::add", "CPU", 700, 12_000.0), event("aten::nonzero", "CPU", 3, 600.0),
+              event("nvjet_gemm", "CUDA", 500, 0.0)]
+    host = host_side(events)
+    assert host["waits"] == [{"call": "cudaStreamSynchronize", "calls": 24, "ms": 300.0},
+                             {"call": "aten::_local_scalar_dense", "calls": 48, "ms": 2.0},
+                             {"call": "aten::nonzero", "calls": 3, "ms": 0.6}]
+    assert host["launches"] == {"calls": 9000, "ms": 45.0}
+    assert [r["op"] for r in host["top_ops"]] == ["aten::add", "aten::mm", "aten::_local_scalar_dense", "aten::nonzero"]
+    lines = format_profile({"step_ms": 1.0, "gpu_busy_ms": 0.5, "by_kind": {}, "top": [], "host": host})
+    assert "9000 kernel launches (45.0 ms)" in lines[1] and "cudaStreamSynchronize 24x 300.0 ms" in lines[1]
+    assert len(lines) == 2 + 4
