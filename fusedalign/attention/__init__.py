@@ -6,11 +6,15 @@ and nothing else (no modeling code copied, no model class patched):
 
 | row | eager | sdpa | flex_attention | flash_attention_* |
 |---|---|---|---|---|
-| padding-free (each sequence from position 0) | position_ids | position_ids | position_ids | position_ids (varlen) |
+| padding-free (each sequence from position 0) | position_ids | position_ids | `BlockMask` | position_ids (varlen) |
 | shared prompt | 4D additive mask | 4D boolean mask | `BlockMask` | refused |
 
 "position_ids" means: no `attention_mask`, so transformers' own builders split the row
-where the positions restart (windows included). An explicit mask is handed through those
+where the positions restart (windows included). On flex attention every packed row gets our
+own `BlockMask` (`masks.block_mask`, built eagerly): transformers' builder for position_ids
+compiles `create_block_mask` for each new row length, which for long rows takes minutes (the
+same compilation kept an 8,320-token shared-prompt row out of its first step for over 400 s on
+an H100, bf33ce2). An explicit mask is handed through those
 builders unchanged (transformers 5.17 and 5.24: `_preprocess_mask_arguments` returns a 4D
 tensor or a `BlockMask` as it is, for every layer type); a model mixing full and
 sliding-window layers then gets a dict {layer type: mask}, which its forward accepts in
@@ -65,8 +69,8 @@ def attention_inputs(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[s
             model's device (other keys are ignored).
 
     Returns:
-        `input_ids`, `position_ids` and, for a shared prompt, `attention_mask` (a tensor, a
-        `BlockMask`, or a dict of them per layer type). Call the model with `use_cache=False`.
+        `input_ids`, `position_ids` and, for a shared prompt or on flex attention, `attention_mask`
+        (a tensor, a `BlockMask`, or a dict of them per layer type). Call the model with `use_cache=False`.
 
     Raises:
         PackedAttentionError: the model or its attention implementation cannot isolate the
@@ -75,16 +79,16 @@ def attention_inputs(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[s
     kwargs: dict[str, Any] = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
     shared = bool((batch["parent_ids"] >= 0).any())  # one host sync per batch
     check_preference_attention(model, share_prompt=shared)
-    if not shared:
-        return kwargs
     lm = unwrap_model(model)
+    implementation = lm.config._attn_implementation
+    if not shared and implementation != "flex_attention":
+        return kwargs
     windows = layer_windows(lm)
     furthest = int(batch["position_ids"].max())
     # A window no query-key pair of this row reaches changes nothing: leave it out, so
     # that one mask serves every layer.
     needed = {kind: (w if w is not None and w <= furthest else None) for kind, w in windows.items()}
     dtype = lm.get_input_embeddings().weight.dtype
-    implementation = lm.config._attn_implementation
     masks = {w: _mask(implementation, batch, w, dtype) for w in set(needed.values())}
     if len(masks) == 1:
         kwargs["attention_mask"] = next(iter(masks.values()))

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from fusedalign.attention import PackedAttentionError, attention_inputs, layer_windows, visibility
+from fusedalign.attention import PackedAttentionError, attention_inputs, block_mask, layer_windows, visibility
 from fusedalign.data.preference_batches import preference_batch
 from fusedalign.head import FLEX_KERNEL_OPTIONS, flex_kernel_options, forward_inputs, token_logprobs
 from fusedalign.models import load_model
@@ -122,18 +122,28 @@ def test_control_ignoring_the_sliding_window_scores_differently():
     assert _max_difference(_per_sequence(model, batch, no_window), expected) > 1e-3
 
 
-def test_flex_attention_forward_on_a_shared_row_equals_the_padded_rows():
+@pytest.mark.parametrize("share", [True, False])
+def test_flex_attention_forward_on_a_packed_row_equals_the_padded_rows(share):
     """FlexAttention's forward runs on CPU (compiled by transformers); its backward does not (PyTorch
-    refuses it there), so gradients through flex are for the GPU test."""
+    refuses it there), so gradients through flex are for the GPU test. Shared-prompt and padding-free
+    rows alike get our own BlockMask (transformers' builder from position_ids compiles per row length)."""
     from torch.nn.attention.flex_attention import BlockMask
 
+    # transformers compiles flex attention; a second row length in one process recompiles it with
+    # dynamic shapes, which inductor's CPU template fails to build (torch 2.13: "cur_qSplitSize4 was
+    # not declared"). Each case starts from no compiled code, so each compiles for its own length.
+    torch._dynamo.reset()
     model = load_model("builtin:tiny-qwen2", attn_implementation="flex_attention")
     rows = ROWS["uneven"]
-    batch = preference_batch(rows, share_prompt=True)
+    batch = preference_batch(rows, share_prompt=share)
     kwargs = attention_inputs(model, batch)
     assert isinstance(kwargs["attention_mask"], BlockMask)
     got = _per_sequence(model, batch, kwargs)
     assert _max_difference(got, _padded_per_sequence(_model("qwen2", "sdpa"), rows)) < TOL["atol"]
+    # Control: the row under a mask that reads it as one sequence scores differently.
+    one = torch.zeros_like(batch["segment_ids"])
+    whole = dict(kwargs, attention_mask=block_mask(one, one - 1, batch["position_ids"]))
+    assert _max_difference(_per_sequence(model, batch, whole), got) > 1e-3
 
 
 def test_every_flex_forward_of_a_packed_row_is_kept_off_the_decoding_kernel(monkeypatch):
