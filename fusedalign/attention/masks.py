@@ -1,4 +1,4 @@
-"""Explicit attention masks for packed rows of segments (shared prompts).
+"""Explicit attention masks for packed rows of segments (shared prompts; on flex attention every packed row).
 
 A row is a sequence of segments (`fusedalign.data.preference_batches`). Each position
 carries its segment's id and the id of the one segment it also sees, its *parent* (a
@@ -64,7 +64,7 @@ def block_mask(segment_ids: Tensor, parent_ids: Tensor, position_ids: Tensor, wi
     mask at once (int64 intermediates: tens of GiB for a 65k-token row) unless it is compiled,
     and compiled it recompiles for each new row length, each compile taking longer as rows grow:
     on an H100 (bf33ce2, 2026-12-06) the first step of one 4,224-token row a micro-batch took
-    64 s, and a 8,320-token row had not left the compiler after 400 s. Here no step compiles,
+    64 s, and an 8,320-token row had not left the compiler after 400 s. Here no step compiles,
     and the memory a band holds is bounded by `chunk_elements`.
 
     Args:
