@@ -587,7 +587,8 @@ def test_a_profiles_host_side_counts_its_waits_for_the_gpu_and_its_launches():
         return SimpleNamespace(key=key, device_type=SimpleNamespace(name=device), count=count,
                                self_cpu_time_total=cpu_us, self_device_time_total=0)
 
-    events = [event("cudaStreamSynchronize", "CPU", 24, 300_000.0), event("aten::_local_scalar_dense", "CPU", 48, 2_000.0),
+    events = [event("cudaStreamSynchronize", "CPU", 24, 300_000.0),
+              event("aten::_local_scalar_dense", "CPU", 48, 2_000.0),
               event("cudaLaunchKernel", "CPU", 9000, 45_000.0), event("aten::mm", "CPU", 500, 9_000.0),
               event("aten::add", "CPU", 700, 12_000.0), event("aten::nonzero", "CPU", 3, 600.0),
               event("nvjet_gemm", "CUDA", 500, 0.0)]
