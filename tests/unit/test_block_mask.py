@@ -51,8 +51,8 @@ def _reference(segments, parents, positions, window, block):
         return seen
 
     length = segments.shape[1]
-    return create_block_mask(mask_mod, B=segments.shape[0], H=None, Q_LEN=length, KV_LEN=length, device="cpu",
-                             BLOCK_SIZE=block)
+    return create_block_mask(mask_mod, B=segments.shape[0], H=None, Q_LEN=length, KV_LEN=length,
+                             device=segments.device, BLOCK_SIZE=block)
 
 
 CASES = [  # (seeds of the rows, share the prompt, window, block, pad_to_multiple_of)
