@@ -23,7 +23,8 @@
 # minutes: ours in its default, padded layout, alone; the three in one part ran past ten minutes),
 # PARTS="e2e_dpo real_lengths" (about 6 minutes), PARTS=grpo_real (at most 9 minutes: GRPO at 8 x 8
 # completions of log-normal lengths up to 2,048 tokens, ours padded and packed against TRL, whose
-# generate runs every step to the longest completion), PARTS=grpo_longest (at most 9
+# generate runs every step to the longest completion, and ours packed with its decoding step
+# compiled: at bf33ce2 generation was 90% of the packed step), PARTS=grpo_longest (at most 9
 # minutes: the longest completion ours (one completion a row) and TRL are predicted
 # to train at 8 x 8, from the peak at 4,096, 8,192 and 16,384 tokens),
 # PARTS="compiled_decode attention compiled_generation compiled_grpo" (at most 9 min 20 s:
@@ -146,7 +147,8 @@ part e2e_dpo 200 python3 benchmarks/e2e_dpo.py $X --lengths 2048 4096 --configs 
 part real_lengths 150 python3 benchmarks/e2e_dpo.py $X --real_lengths ultrafeedback --warmup_steps 2 --timed_steps 2 \
     --configs trl_liger ours_shared_prompt_flex trl_liger_grouped \
     --model_dir "$MODEL" --log_dir "$LOGS/real_lengths" --markdown_out "$OUT/real_lengths.md"
-part grpo_real 540 python3 benchmarks/e2e_grpo.py $X --configs trl ours_shared_prompt ours $GRPO_REAL \
+part grpo_real 540 python3 benchmarks/e2e_grpo.py $X --configs trl ours_shared_prompt ours ours_shared_prompt_compiled \
+    $GRPO_REAL \
     --warmup_steps 1 --timed_steps 2 --max_tokens_per_batch $GRPO_BUDGET \
     --model_dir "$MODEL" --log_dir "$LOGS/grpo_real" --markdown_out "$OUT/grpo_real.md"
 part grpo_longest 540 python3 benchmarks/e2e_grpo.py $X --longest_search --configs trl ours_shared_prompt \

@@ -67,6 +67,10 @@ RUNS = {r.name: r for r in (
             about="ours with padding_free=True: each step's completions in packed rows up to the token budget"),
     GRPORun("ours_shared_prompt", "ours", padding_free=True, share_prompt=True,
             about="ours with padding_free=True and share_prompt=True: a group's prompt once in its packed row"),
+    GRPORun("ours_shared_prompt_compiled", "ours", padding_free=True, share_prompt=True, compile_generation=True,
+            about="ours_shared_prompt with compile_generation=True: the decoding step compiled, then captured (at "
+                  "realistic lengths a generation is its longest row's steps, most of them at a small batch, where "
+                  "the uncompiled step's fixed cost dominates)"),
     GRPORun("ours_shared_prompt_compile", "ours", padding_free=True, share_prompt=True, compile_layers=True,
             about="ours_shared_prompt with compile_layers=True: the element-wise work of each decoder layer fused, "
                   "fewer launches a packed row"),
