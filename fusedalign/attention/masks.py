@@ -34,14 +34,32 @@ def visibility(segment_ids: Tensor, parent_ids: Tensor, position_ids: Tensor, wi
     Returns:
         [R, 1, L, L] bool, True where the query (dim 2) attends to the key (dim 3).
     """
-    length = segment_ids.shape[-1]
-    index = torch.arange(length, device=segment_ids.device)
-    keys = segment_ids[:, None, :]  # [R, 1, L]
-    mask = (keys == segment_ids[:, :, None]) | (keys == parent_ids[:, :, None])  # [R, L, L]
-    mask &= index[None, :] <= index[:, None]  # causal over row order
+    every = slice(0, segment_ids.shape[-1])
+    return _seen((segment_ids, position_ids), (segment_ids, parent_ids, position_ids), window, every, every)[:, None]
+
+
+def _seen(keys: tuple[Tensor, Tensor], queries: tuple[Tensor, Tensor, Tensor], window: int | None,
+          query_span: slice, key_span: slice) -> Tensor:
+    """The module docstring's rule for the queries in `query_span` against the keys in `key_span`.
+
+    Args:
+        keys: (segment, position) of each key position, [R, L] long each.
+        queries: (segment, parent, position) of each query position, [R, L] long each.
+        window: the layer's sliding window, or None.
+        query_span, key_span: the row positions compared (stepless slices with a start and stop).
+
+    Returns:
+        [R, n, m] bool, True where query n sees key m.
+    """
+    key_segments, key_positions = (t[:, None, key_span] for t in keys)  # [R, 1, m]
+    segments, parents, positions = (t[:, query_span, None] for t in queries)  # [R, n, 1]
+    device = key_segments.device
+    seen = (key_segments == segments) | (key_segments == parents)  # [R, n, m]
+    seen &= (torch.arange(key_span.start, key_span.stop, device=device)[None, :]
+             <= torch.arange(query_span.start, query_span.stop, device=device)[:, None])  # causal over row order
     if window is not None:
-        mask &= (position_ids[:, :, None] - position_ids[:, None, :]) < window
-    return mask[:, None]
+        seen &= (positions - key_positions) < window
+    return seen
 
 
 def additive_mask(visible: Tensor, dtype: torch.dtype) -> Tensor:
@@ -112,22 +130,16 @@ def block_tables(segment_ids: Tensor, parent_ids: Tensor, position_ids: Tensor, 
     extra = padded - length
     # Padding positions: a segment no query has (-2; real ids and parents are >= -1), so they see
     # nothing and nothing sees them.
-    keys = torch.nn.functional.pad(segment_ids, (0, extra), value=-2)  # [R, Lp]
-    key_positions = torch.nn.functional.pad(position_ids, (0, extra))
-    queries = torch.nn.functional.pad(segment_ids, (0, extra), value=-3)
-    parents = torch.nn.functional.pad(parent_ids, (0, extra), value=-3)
-    query_positions = torch.nn.functional.pad(position_ids, (0, extra))
-    index = torch.arange(padded, device=segment_ids.device)
+    pad = torch.nn.functional.pad
+    positions = pad(position_ids, (0, extra))  # [R, Lp]
+    keys = (pad(segment_ids, (0, extra), value=-2), positions)
+    queries = (pad(segment_ids, (0, extra), value=-3), pad(parent_ids, (0, extra), value=-3), positions)
     band = max(1, chunk_elements // (rows * padded * block_size)) * block_size  # query positions a band
     partial = torch.zeros(rows, blocks, blocks, dtype=torch.bool, device=segment_ids.device)
     full = torch.zeros_like(partial)
     for start in range(0, padded, band):
         stop = min(start + band, padded)  # keys past the band's last query are never seen (causal)
-        q, k = slice(start, stop), slice(0, stop)
-        seen = (keys[:, None, k] == queries[:, q, None]) | (keys[:, None, k] == parents[:, q, None])  # [R, n, stop]
-        seen &= index[None, None, k] <= index[q, None]
-        if window is not None:
-            seen &= (query_positions[:, q, None] - key_positions[:, None, k]) < window
+        seen = _seen(keys, queries, window, slice(start, stop), slice(0, stop))  # [R, n, stop]
         tiles = seen.view(rows, (stop - start) // block_size, block_size, stop // block_size, block_size)
         some = tiles.any(dim=4).any(dim=2)  # [R, n/b, stop/b]
         every = tiles.all(dim=4).all(dim=2)
