@@ -19,10 +19,10 @@ key/value heads of 64. bf16 on CUDA. Variants:
 The profile of a packed step (bf33ce2, H100, docs/benchmarks.md) gave flex attention 419 ms a
 step against 90 for cuDNN's kernels on the padded step, for about the same query-key pairs;
 this says how much of that is the repeat and how much the kernel. Columns: milliseconds of the
-forward and of forward plus backward (CUDA events, mean of --repeats after --warmup calls; on
-the CPU the eager wall clock, and flex attention's backward does not run there), and the
-largest difference of each variant's output from flex_repeat's at the same tokens (the padded
-layout's prompt and completion outputs compared position by position).
+forward and of forward plus backward (wall clock between two synchronisations, mean of --repeats
+after --warmup calls; flex attention's backward does not run on the CPU), and the largest
+difference of each variant's output from flex_repeat's at the same tokens (the padded layout's
+prompt and completion outputs compared position by position).
 
 Examples:
     python benchmarks/packed_attention.py                      # the row above, on CUDA
@@ -34,12 +34,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.decode_profile import Clock  # noqa: E402
 from benchmarks.harness.env import log, versions, versions_line  # noqa: E402
 from benchmarks.harness.tables import fmt, markdown, write_markdown  # noqa: E402
 
@@ -166,19 +166,7 @@ def timed(variant: Variant, leaves, mask, backward: bool, warmup: int, repeats: 
 
     for _ in range(warmup):
         call()
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        for _ in range(repeats):
-            call()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / repeats
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        call()
-    return (time.perf_counter() - t0) * 1e3 / repeats
+    return Clock(device, repeats).eager_ms(call)
 
 
 def main(argv=None) -> int:
@@ -220,7 +208,7 @@ def main(argv=None) -> int:
     title = (f"### one packed row's attention ({gpu}; prompts of {args.prompt} tokens, each shared by "
              f"{args.completions} completions of {args.completion}; {args.heads} query heads, {args.kv_heads} "
              f"key/value heads of {args.head_dim}, {str(dtype).removeprefix('torch.')}; "
-             f"{'CUDA events' if device.type == 'cuda' else 'eager, wall clock'}, mean of {args.repeats})")
+             f"wall clock between synchronisations, mean of {args.repeats})")
     table = markdown(["prompts a row", "row tokens", "padded tokens", "variant", "forward ms",
                       "forward + backward ms", "max diff vs flex_repeat"], rows, numeric={4, 5, 6})
     print(title + "\n\n" + table)
