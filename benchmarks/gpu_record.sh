@@ -12,7 +12,7 @@
 # until then is in its .md (tables are rewritten after each configuration) and its log.
 # TINY=1 runs the same parts on the CPU with the tiny model (a check that each one starts).
 # DRY=1 prints each part's command instead of running it (tests/unit/test_gpu_record.py parses
-# every one with its script's own argument parser, so a GPU session never meets a bad flag).
+# every one with its script's own argument parser, so a run on the GPU never meets a bad flag).
 # PARTS names the parts to run (default: decode grpo generation, at most 8 minutes together);
 # the others are commands of their own: PARTS=dpo_flex (at most 6 minutes: DPO at UltraFeedback
 # lengths, packed rows on flex attention against TRL + Liger at a micro-batch of 8 pairs; each
