@@ -22,6 +22,9 @@ batch x 256 tokens), at each batch size:
     ours_triton    ours with each step's grouped attention in fusedalign's Triton kernel
     ours_compiled_triton_fused  the three together: the step compiled, the Triton kernel, the
                    draw inside the head (CUDA only)
+    ours_fastest   the step compiled, the Triton kernel, each layer's q/k/v and gate/up
+                   projections as one GEMM each (StaticDecode(fuse_projections=True)), the draw
+                   from the logits: the fastest step measured (CUDA only)
                 (StaticDecode(decode_kernel="triton"), generation/decode_kernel.py)
                 (StaticDecode(compile_step=True); GRPO's --compile_generation)
 
@@ -60,7 +63,8 @@ from benchmarks.harness.env import gpu_info, log, versions, versions_line  # noq
 from benchmarks.harness.tables import fmt, markdown, ratio, write_markdown  # noqa: E402
 
 METHODS = ("dynamic", "dynamic_eos", "static", "continuous", "ours", "ours_eager", "ours_fused", "ours_compiled",
-           "ours_triton", "ours_compiled_triton_fused")
+           "ours_triton", "ours_compiled_triton_fused", "ours_fastest")
+TRITON = ("ours_triton", "ours_compiled_triton_fused", "ours_fastest")  # the methods with the Triton kernel
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -108,7 +112,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def unavailable(method: str, device: str = "cuda") -> str | None:
-    if method in ("ours_triton", "ours_compiled_triton_fused") and device != "cuda":
+    if method in TRITON and device != "cuda":
         return "the Triton kernel runs on CUDA only (on the CPU the loop would use the grouped sdpa)"
     if method == "continuous":
         from transformers import GenerationMixin
@@ -129,8 +133,9 @@ def generation_config(args, method: str, pad: int, eos: int):
         return StaticDecode(max_new_tokens=args.new_tokens, eos_token_id=eos, pad_token_id=pad, temperature=1.0,
                             top_p=1.0, top_k=0, cuda_graphs=method != "ours_eager",
                             fused_sampling=method in ("ours_fused", "ours_compiled_triton_fused"),
-                            compile_step=method in ("ours_compiled", "ours_compiled_triton_fused"),
-                            decode_kernel="triton" if method in ("ours_triton", "ours_compiled_triton_fused") else "sdpa",
+                            compile_step=method in ("ours_compiled", "ours_compiled_triton_fused", "ours_fastest"),
+                            decode_kernel="triton" if method in TRITON else "sdpa",
+                            fuse_projections=method == "ours_fastest",
                             compact_below=args.compact_below)
 
     options = dict(max_new_tokens=args.new_tokens, do_sample=True, temperature=1.0, top_p=1.0, top_k=0, use_cache=True,
@@ -227,8 +232,10 @@ def decode_limit(args, results: dict, batch: int) -> float | None:
 
 def table(args, results: dict) -> str:
     rows = []
+    # The ratios' base: generate as TRL runs it (dynamic_eos) where it ran, else plain dynamic.
+    base_method = next((m for m in ("dynamic_eos", "dynamic") if results.get(m, {}).get("status") == "ok"), "dynamic")
     for batch in args.batches:
-        base = results.get("dynamic", {}).get("batches", {}).get(str(batch))
+        base = results.get(base_method, {}).get("batches", {}).get(str(batch))
         limit = decode_limit(args, results, batch)
         for method in args.methods:
             r = results.get(method, {"status": "not run", "reason": "not run"})
@@ -252,7 +259,7 @@ def table(args, results: dict) -> str:
     title = (f"### generation, {args.prompt_length}-token prompts, at most {args.new_tokens} sampled new tokens "
              f"({lengths}; ours compacting at {args.compact_below:g} of the rows live; median of {args.repeats})")
     columns = ["batch", "method", "new tokens/s", "tokens a row", "peak GiB", "s a call", "first call s",
-               "vs dynamic", "of the decode limit"]
+               f"vs {base_method}", "of the decode limit"]
     return title + "\n\n" + markdown(columns, rows, numeric={0, 2, 3, 4, 5, 6, 7, 8})
 
 

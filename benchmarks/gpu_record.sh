@@ -55,10 +55,11 @@
 # PARTS=packed_attention (at most 3 minutes: one packed GRPO row's attention, forward and
 # backward, flex attention as transformers runs it for 14 query heads (keys and values repeated),
 # flex with enable_gqa, and sdpa on the same completions padded); PARTS=generation_128,
-# PARTS=generation_512 (at most 8 minutes each: batches 64, 256 and 512, 256 new tokens a row,
-# ours against generate as TRL runs it and generate with its static cache and compiled decoding)
-# and PARTS=generation_real (at most 9 minutes: the same at batch 512 with completions of
-# log-normal lengths, median 300, p95 1,500, at most 2,048 tokens).
+# PARTS=generation_512 (at most 9 min 20 s each: batches 64, 256 and 512, 256 new tokens a row,
+# generate as TRL runs it (first: the ratios' base), ours (its fastest step, then its default)
+# and generate with its static cache and compiled decoding) and PARTS=generation_real (at most 9
+# minutes: the same at batch 512 with completions of log-normal lengths, median 300, p95 1,500,
+# at most 2,048 tokens).
 set -u
 OUT=${OUT:-$PWD/bench-out}
 MODEL=${MODEL:-/tmp/bench-model}
@@ -136,11 +137,11 @@ part $NAME 360 python3 benchmarks/e2e_dpo.py $X $STEP --real_lengths ultrafeedba
 # The generation matrix: ours against generate as TRL runs it and generate with its static cache
 # and compiled decoding, at three batch sizes, two prompt lengths, fixed and realistic lengths.
 for PROMPT in 128 512; do P=$PROMPT; [ "${TINY:-0}" = 1 ] && P=$((PROMPT / 16))  # the tiny run: 8 and 32
-part generation_$PROMPT 450 python3 benchmarks/generation.py $X --batches $BATCHES --repeats 1 \
-    --prompt_length $P --methods dynamic_eos static ours --model_dir "$MODEL" \
+part generation_$PROMPT 560 python3 benchmarks/generation.py $X --batches $BATCHES --repeats 1 \
+    --prompt_length $P --methods dynamic_eos ours_fastest ours static --model_dir "$MODEL" \
     --log_dir "$LOGS/generation_$PROMPT" --markdown_out "$OUT/generation_$PROMPT.md"; done
 part generation_real 500 python3 benchmarks/generation.py $X --batches $BATCH --repeats 1 $GENERATION_REAL \
-    --methods dynamic_eos static ours --model_dir "$MODEL" --log_dir "$LOGS/generation_real" \
+    --methods dynamic_eos ours_fastest ours static --model_dir "$MODEL" --log_dir "$LOGS/generation_real" \
     --markdown_out "$OUT/generation_real.md"
 part e2e_dpo 200 python3 benchmarks/e2e_dpo.py $X --lengths 2048 4096 --configs ours_fused_compile trl_liger \
     --model_dir "$MODEL" --log_dir "$LOGS/e2e_dpo" --markdown_out "$OUT/e2e_dpo.md"
