@@ -177,6 +177,8 @@ def run_worker(args) -> int:
     from fusedalign.models import load_tokenizer
 
     run = grpo.RUNS[args.worker]
+    if run.micro_batch is not None:
+        args.per_device_train_batch_size = run.micro_batch  # grpo_args divides the step's completions by it
     vocab = model_config(args.tiny).vocab_size
 
     def build(callback, timers):

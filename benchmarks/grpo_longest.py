@@ -79,8 +79,9 @@ def search(args, skipped: dict) -> tuple[dict, str]:
 def fit_one(args, config: str) -> dict:
     """The peak at each --memory_fit length (stopping at the first that does not fit), the
     line through them and where it meets the GPU's memory."""
+    micro = grpo.RUNS[config].micro_batch or args.per_device_train_batch_size
     log(f"{config}: peak memory at {', '.join(map(str, args.memory_fit))} ({args.prompts} x {args.num_generations} "
-        f"completions, micro-batch {args.per_device_train_batch_size}, {grpo.checkpointing_words(args)})")
+        f"completions, micro-batch {micro}, {grpo.checkpointing_words(args)})")
     points, probes, total = [], [], None
     for length in sorted(args.memory_fit):
         r = probe(args, config, length)
@@ -112,25 +113,31 @@ def fit(args, skipped: dict) -> tuple[dict, str]:
 
 def fit_table(args, out: dict) -> str:
     base = out.get("trl", {}).get("predicted")
+    # TRL's longest in any of its configurations here (trl_micro1: one completion a micro-batch).
+    best = max((e["predicted"] for c, e in out.items() if grpo.RUNS[c].trainer == "trl" and e.get("predicted")),
+               default=None)
     rows = []
     for config in args.configs:
         e = out.get(config, {"status": "not run", "probes": []})
         if e["status"] in ("skipped", "error", "not run"):
             rows.append([config, f"{e['status']}: {e.get('reason') or e.get('error')}" if e["status"] != "not run"
-                         else "not run"] + [""] * 4)
+                         else "not run"] + [""] * 5)
             continue
         peaks = {p["length"]: (fmt(p["peak_gib"], ".2f") if p["status"] == "ok" else p["status"]) for p in e["probes"]}
         predicted = e.get("predicted")
         rows.append([config, ", ".join(peaks.get(length, "not run") for length in sorted(args.memory_fit)),
                      fmt(e.get("slope_gib_per_1k"), ".3f"), fmt(e.get("max_residual_gib"), ".3f"),
                      f"~{predicted:,}" if predicted else e["status"],
-                     f"{predicted / base:.2f}x" if predicted and base else "—"])
+                     f"{predicted / base:.2f}x" if predicted and base else "—",
+                     f"{predicted / best:.2f}x" if predicted and best else "—"])
     total = next((e["total_gib"] for e in out.values() if e.get("total_gib")), None)
+    own = "".join(f"; {c}'s {grpo.RUNS[c].micro_batch}" for c in args.configs if grpo.RUNS[c].micro_batch)
     title = (f"### GRPO, the longest max_completion_length predicted to train at {args.prompts} prompts x "
-             f"{args.num_generations} completions (micro-batch {args.per_device_train_batch_size}, "
+             f"{args.num_generations} completions (micro-batch {args.per_device_train_batch_size}{own}, "
              f"{grpo.checkpointing_words(args)}, {args.prompt_length}-token prompts, completions of random ids at "
              f"full length): the peak's least-squares line over lengths {', '.join(map(str, sorted(args.memory_fit)))}, "
              f"where it meets {fmt(total, '.1f')} GiB (a prediction, not a run at that length)")
     return title + "\n\n" + markdown(
         ["config", "peak GiB at " + ", ".join(map(str, sorted(args.memory_fit))), "GiB per 1k tokens of length",
-         "worst residual GiB", "predicted longest max_completion_length", "vs trl"], rows, numeric={2, 3, 4, 5})
+         "worst residual GiB", "predicted longest max_completion_length", "vs trl", "vs TRL's longest"], rows,
+        numeric={2, 3, 4, 5, 6})

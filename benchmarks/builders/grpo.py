@@ -34,11 +34,16 @@ class GRPORun:
     fused_sampling: bool = False       # ours (static): the draw inside the head's forward
     decode_kernel: str = "sdpa"        # ours (static): the decoding step's grouped attention
     fuse_projections: bool = False     # ours (static): q/k/v and gate/up as one GEMM each while decoding
+    micro_batch: int | None = None     # per_device_train_batch_size for this configuration (None: the flag's)
     about: str = ""
 
 
 RUNS = {r.name: r for r in (
     GRPORun("trl", "trl", about="trl.GRPOTrainer, transformers generate (dynamic cache, compilation off), no vLLM"),
+    GRPORun("trl_micro1", "trl", micro_batch=1,
+            about="trl.GRPOTrainer with per_device_train_batch_size=1 (gradient accumulation over the step's "
+                  "completions): what a TRL user picks for the longest completions, one completion's activations "
+                  "at the peak"),
     GRPORun("trl_continuous", "trl", continuous_batching=True,
             about="trl.GRPOTrainer, use_transformers_continuous_batching=True (not run unless named)"),
     GRPORun("ours", "ours", about="fusedalign.trainers.grpo.GRPOTrainer, its default generator (on CUDA: "

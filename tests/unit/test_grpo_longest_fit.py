@@ -40,6 +40,19 @@ def test_the_fit_predicts_where_each_line_meets_the_memory_and_compares_with_trl
     assert "80.0 GiB" in text and "a prediction" in text
 
 
+def test_each_line_is_also_compared_with_trls_longest_configuration(monkeypatch):
+    """TRL at one completion a micro-batch reaches further than at its default micro-batch; the
+    last column compares with the longer of the two."""
+    args = _args("--memory_fit", "4096", "8192", "--configs", "trl", "ours_shared_prompt", "trl_micro1")
+    _fake(monkeypatch, {"trl": (8.0, 1e-3), "ours_shared_prompt": (6.0, 1.25e-4), "trl_micro1": (8.0, 1 / 4096)})
+    found, text = grpo_longest.fit(args, {"trl": None, "ours_shared_prompt": None, "trl_micro1": None})
+    assert found["trl_micro1"]["predicted"] == 294_912  # (80 - 8) x 4096
+    row = next(line for line in text.splitlines() if line.startswith("| ours_shared_prompt |"))
+    assert row.rstrip(" |").endswith("8.22x | 2.01x")  # 592,000 against 72,000 and 294,912
+    row = next(line for line in text.splitlines() if line.startswith("| trl_micro1 |"))
+    assert row.rstrip(" |").endswith("4.10x | 1.00x")
+
+
 def test_a_length_that_does_not_fit_ends_the_configurations_probes_and_is_shown(monkeypatch):
     args = _args("--memory_fit", "4096", "8192", "16384", "--configs", "trl", "ours")
     calls = _fake(monkeypatch, {"trl": (8.0, 4e-3), "ours": (6.0, 1e-3)}, oom_from={"trl": 16384})
