@@ -28,6 +28,9 @@
 # minutes: the longest completion ours (one completion a row) and TRL, at its default micro-batch
 # and at one completion a micro-batch, are predicted to train at 8 x 8, from the peak at 4,096,
 # 8,192 and 16,384 tokens),
+# PARTS=grpo_long_memory (at most 6 minutes: what is alive at the peak of a step of one prompt's 8
+# completions of 16,384 tokens with checkpointing, ours one completion a row and TRL one completion
+# a micro-batch, by the line that allocated it: where the per-token cost of the longest runs goes),
 # PARTS="compiled_decode attention compiled_generation compiled_grpo" (at most 9 min 20 s:
 # StaticDecode's step compiled by inductor against the uncompiled one, by part, in generation
 # and in GRPO; and one step's attention computed seven ways, decode_attention.py, the Triton
@@ -70,7 +73,7 @@ SNAPSHOT="--memory_snapshot"; PROFILE="--profile"  # the CUDA allocator's histor
 if [ "${TINY:-0}" = 1 ]; then X="--device cpu --tiny"; SHAPE="tiny=True, dtype='fp32'"; BATCH=4; BATCHES=4
      GRPO_REAL="--completion_lengths lognormal:4:7"  # uneven lengths at the tiny scale
      GENERATION_REAL="--completion_lengths lognormal:4:7"
-     SNAPSHOT=""; PROFILE=""
+     SNAPSHOT=""; PROFILE=""; LONG_TOKENS=32
      GRPO_BUDGET=64; CKPT_BUDGET=64; DISTILL_BUDGET=0; LONGEST="--memory_fit 8 16 32"
      OFFLOAD="--gradient_checkpointing"  # offload pins host memory, which a CPU-only machine cannot
      TRITON=""  # the Triton kernel runs on CUDA only
@@ -88,7 +91,7 @@ else X=""; SHAPE="tiny=False, dtype='bf16', device='cuda'"; BATCH=512; BATCHES="
      # One prompt's 8 completions: one micro-batch, whose peak is a step's of 8 prompts (the same
      # weights, gradients and optimizer state, the same activations a micro-batch; TRL's at
      # 4,096 with 8 prompts, 7.86 GiB at f7eace9, is the check), at an eighth of the probes' time.
-     LONGEST="--memory_fit 4096 8192 16384 --prompts 1"
+     LONGEST="--memory_fit 4096 8192 16384 --prompts 1"; LONG_TOKENS=16384
      GRPO_REAL="--prompts 8 --completion_lengths lognormal:300:1500 --new_tokens 2048 --per_device_train_batch_size 8"
      GENERATION_REAL="--completion_lengths lognormal:300:1500 --new_tokens 2048"; fi
 mkdir -p "$OUT"
@@ -156,6 +159,10 @@ part grpo_real 540 python3 benchmarks/e2e_grpo.py $X --configs trl ours_shared_p
 part grpo_longest 560 python3 benchmarks/e2e_grpo.py $X --longest_search --configs trl ours_shared_prompt trl_micro1 \
     --max_tokens_per_batch 0 $LONGEST --model_dir "$MODEL" --log_dir "$LOGS/grpo_longest" \
     --markdown_out "$OUT/grpo_longest.md"
+part grpo_long_memory 360 python3 benchmarks/e2e_grpo.py $X --configs ours_shared_prompt trl_micro1 --random_completions \
+    --prompts 1 --num_generations 8 --per_device_train_batch_size 8 --new_tokens $LONG_TOKENS --gradient_checkpointing \
+    --max_tokens_per_batch 0 --warmup_steps 1 --timed_steps 1 $SNAPSHOT \
+    --model_dir "$MODEL" --log_dir "$LOGS/grpo_long_memory" --markdown_out "$OUT/grpo_long_memory.md"
 part grpo_profile 330 python3 benchmarks/e2e_grpo.py $X --configs ours_shared_prompt ours_shared_prompt_compile ours --random_completions \
     $PROFILE --warmup_steps 1 --timed_steps 1 --max_tokens_per_batch $GRPO_BUDGET \
     --model_dir "$MODEL" --log_dir "$LOGS/grpo_profile" --markdown_out "$OUT/grpo_profile.md"
