@@ -177,8 +177,7 @@ def run_worker(args) -> int:
     from fusedalign.models import load_tokenizer
 
     run = grpo.RUNS[args.worker]
-    if run.micro_batch is not None:
-        args.per_device_train_batch_size = run.micro_batch  # grpo_args divides the step's completions by it
+    grpo.apply_micro_batch(run, args)
     vocab = model_config(args.tiny).vocab_size
 
     def build(callback, timers):

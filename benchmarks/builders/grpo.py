@@ -129,6 +129,13 @@ def lower_half_reward(vocab: int):
     return lower_half
 
 
+def apply_micro_batch(run: GRPORun, s) -> None:
+    """A configuration's own micro-batch (trl_micro1's 1) in place of the flag's: `grpo_args` then
+    divides the step's completions into that many accumulation steps."""
+    if run.micro_batch is not None:
+        s.per_device_train_batch_size = run.micro_batch
+
+
 WEIGHTS = {"bf16": "bfloat16", "fp32": "float32"}  # the policy's weights, given to both trainers by name
 
 

@@ -109,3 +109,16 @@ def test_the_table_is_rewritten_after_each_configuration(monkeypatch, tmp_path):
     assert "| trl | 8.10, 12.19 |" in seen[0] and "~76,000" in seen[0]
     assert "| ours_shared_prompt | not run |" in seen[0]
     assert out.read_text().count("~76,000") == 2  # both lines at the end
+
+
+def test_trl_micro1_trains_one_completion_a_micro_batch():
+    """Its TRL arguments: micro-batch 1, the step's 8 completions as 8 accumulation steps, one generation."""
+    from benchmarks.builders import grpo
+
+    args = _args("--prompts", "1", "--num_generations", "8", "--per_device_train_batch_size", "8")
+    grpo.apply_micro_batch(grpo.RUNS["trl"], args)
+    assert args.per_device_train_batch_size == 8
+    grpo.apply_micro_batch(grpo.RUNS["trl_micro1"], args)
+    args.total_steps = 2
+    kw = grpo.grpo_args(args, "/tmp/unused")
+    assert (kw["per_device_train_batch_size"], kw["gradient_accumulation_steps"], kw["steps_per_generation"]) == (1, 8, 8)
