@@ -22,9 +22,9 @@ batch x 256 tokens), at each batch size:
     ours_triton    ours with each step's grouped attention in fusedalign's Triton kernel
     ours_compiled_triton_fused  the three together: the step compiled, the Triton kernel, the
                    draw inside the head (CUDA only)
-    ours_fastest   the step compiled, the Triton kernel, each layer's q/k/v and gate/up
-                   projections as one GEMM each (StaticDecode(fuse_projections=True)), the draw
-                   from the logits: the fastest step measured (CUDA only)
+    ours_fastest   the fastest step measured (71009fc: compiled, with the Triton kernel, the draw
+                   from the logits) with each layer's q/k/v and gate/up projections as one GEMM
+                   each (StaticDecode(fuse_projections=True), not yet measured; CUDA only)
                 (StaticDecode(decode_kernel="triton"), generation/decode_kernel.py)
                 (StaticDecode(compile_step=True); GRPO's --compile_generation)
 

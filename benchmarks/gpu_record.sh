@@ -25,7 +25,7 @@
 # completions of log-normal lengths up to 2,048 tokens, ours padded and packed against TRL, whose
 # generate runs every step to the longest completion, and ours packed with its decoding step
 # compiled: at bf33ce2 generation was 90% of the packed step), PARTS=grpo_longest (at most 9
-# minutes: the longest completion ours (one completion a row) and TRL, at its default micro-batch
+# min 20 s: the longest completion ours (one completion a row) and TRL, at its default micro-batch
 # and at one completion a micro-batch, are predicted to train at 8 x 8, from the peak at 4,096,
 # 8,192 and 16,384 tokens),
 # PARTS=grpo_long_memory (at most 6 minutes: what is alive at the peak of a step of one prompt's 8
