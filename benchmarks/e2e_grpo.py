@@ -216,7 +216,8 @@ def table(args, results: dict) -> str:
                      ratio(r["completions_per_s"], base["completions_per_s"]) if base else "—",
                      ratio(r.get("peak_gib"), base.get("peak_gib")) if base else "—"])
     title = (f"### GRPO, {args.prompts} prompts x {args.num_generations} completions x <= {args.new_tokens} new "
-             f"tokens a step ({args.prompt_length}-token prompts, completion lengths {args.completion_lengths}, micro-batch {args.per_device_train_batch_size}, "
+             f"tokens a step ({args.prompt_length}-token prompts, completion lengths {args.completion_lengths}, "
+             f"{grpo.micro_batch_words(args.configs, args)}, "
              f"{grpo.checkpointing_words(args)}, {args.timed_steps} timed steps after {args.warmup_steps})")
     columns = ["config", "completions/s", "s a step", "generation %", "training %", "mean completion tokens",
                "backbone tokens per unique token", "training forwards a step", "peak GiB", "at rest GiB", "step GiB",

@@ -48,7 +48,7 @@ def probe(args, config: str, length: int) -> dict:
 
 def search_one(args, config: str) -> dict:
     log(f"{config}: searching up to {args.search_max} in steps of {args.search_step} ({args.prompts} x "
-        f"{args.num_generations} completions, micro-batch {args.per_device_train_batch_size}, "
+        f"{args.num_generations} completions, micro-batch {grpo.micro_batch_of(grpo.RUNS[config], args)}, "
         f"{grpo.checkpointing_words(args)})")
     return longest_that_fits(lambda length: probe(args, config, length), name=config, step=args.search_step,
                              smallest=args.search_min, largest=args.search_max)
@@ -69,7 +69,7 @@ def search(args, skipped: dict) -> tuple[dict, str]:
         else:
             rows.append([config, f"{r['status']}: {r.get('reason') or r.get('error')}", ""])
     title = (f"### GRPO, the longest max_completion_length that trains at {args.prompts} prompts x "
-             f"{args.num_generations} completions (micro-batch {args.per_device_train_batch_size}, "
+             f"{args.num_generations} completions ({grpo.micro_batch_words(args.configs, args)}, "
              f"{grpo.checkpointing_words(args)}, {args.prompt_length}-token prompts, "
              f"completions of random ids at full length, steps of {args.search_step})")
     return out, title + "\n\n" + markdown(["config", "longest max_completion_length", "peak GiB at it"], rows,
@@ -79,9 +79,8 @@ def search(args, skipped: dict) -> tuple[dict, str]:
 def fit_one(args, config: str) -> dict:
     """The peak at each --memory_fit length (stopping at the first that does not fit), the
     line through them and where it meets the GPU's memory."""
-    micro = grpo.RUNS[config].micro_batch or args.per_device_train_batch_size
     log(f"{config}: peak memory at {', '.join(map(str, args.memory_fit))} ({args.prompts} x {args.num_generations} "
-        f"completions, micro-batch {micro}, {grpo.checkpointing_words(args)})")
+        f"completions, micro-batch {grpo.micro_batch_of(grpo.RUNS[config], args)}, {grpo.checkpointing_words(args)})")
     points, probes, total = [], [], None
     for length in sorted(args.memory_fit):
         r = probe(args, config, length)
@@ -131,9 +130,8 @@ def fit_table(args, out: dict) -> str:
                      f"{predicted / base:.2f}x" if predicted and base else "—",
                      f"{predicted / best:.2f}x" if predicted and best else "—"])
     total = next((e["total_gib"] for e in out.values() if e.get("total_gib")), None)
-    own = "".join(f"; {c}'s {grpo.RUNS[c].micro_batch}" for c in args.configs if grpo.RUNS[c].micro_batch)
     title = (f"### GRPO, the longest max_completion_length predicted to train at {args.prompts} prompts x "
-             f"{args.num_generations} completions (micro-batch {args.per_device_train_batch_size}{own}, "
+             f"{args.num_generations} completions ({grpo.micro_batch_words(args.configs, args)}, "
              f"{grpo.checkpointing_words(args)}, {args.prompt_length}-token prompts, completions of random ids at "
              f"full length): the peak's least-squares line over lengths {', '.join(map(str, sorted(args.memory_fit)))}, "
              f"where it meets {fmt(total, '.1f')} GiB (a prediction, not a run at that length)")

@@ -129,11 +129,21 @@ def lower_half_reward(vocab: int):
     return lower_half
 
 
+def micro_batch_of(run: GRPORun, s) -> int:
+    """The configuration's own micro-batch (trl_micro1's 1), else the flag's."""
+    return run.micro_batch if run.micro_batch is not None else s.per_device_train_batch_size
+
+
 def apply_micro_batch(run: GRPORun, s) -> None:
-    """A configuration's own micro-batch (trl_micro1's 1) in place of the flag's: `grpo_args` then
-    divides the step's completions into that many accumulation steps."""
-    if run.micro_batch is not None:
-        s.per_device_train_batch_size = run.micro_batch
+    """The worker's settings with `micro_batch_of`: `grpo_args` then divides the step's completions
+    into that many accumulation steps."""
+    s.per_device_train_batch_size = micro_batch_of(run, s)
+
+
+def micro_batch_words(configs, s) -> str:
+    """For the tables' titles: "micro-batch 8", and the configurations with a micro-batch of their own."""
+    own = "".join(f"; {c}'s {RUNS[c].micro_batch}" for c in configs if RUNS[c].micro_batch is not None)
+    return f"micro-batch {s.per_device_train_batch_size}{own}"
 
 
 WEIGHTS = {"bf16": "bfloat16", "fp32": "float32"}  # the policy's weights, given to both trainers by name
