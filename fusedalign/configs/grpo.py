@@ -104,6 +104,11 @@ class GRPOConfig(FusedAlignConfig):
         default=False, metadata={"help": "static only (not in TRL): while generating, each layer's q/k/v projections "
                                  "as one GEMM and its gate/up projections as another (Llama, Qwen2/3, Mistral, "
                                  "Gemma/Gemma2 forms; plain linear layers); the same math, fewer small GEMMs."})
+    generation_max_rows: int = field(
+        default=0, metadata={"help": "Not in TRL: decode at most this many completions at once, the generation batch in "
+                             "consecutive parts (0: all at once). The rollout's KV cache then holds this many rows, "
+                             "which sets the peak memory at long completions (vLLM's max_num_seqs); the same tokens "
+                             "for greedy and keyed sampling."})
     keyed_sampling: bool = field(
         default=False, metadata={"help": "Draw tokens by key (seed, step, row, generation, position): the same "
                                  "completions on any split over ranks and batches."})
@@ -198,6 +203,8 @@ class GRPOConfig(FusedAlignConfig):
         need(self.epsilon_high is None or self.epsilon_high >= 0, "epsilon_high", ">= 0 or None", self.epsilon_high)
         need(self.delta is None or self.delta > 1, "delta", "> 1 or None (the cap on the unclipped ratio)", self.delta)
         need(self.num_iterations >= 1, "num_iterations", ">= 1", self.num_iterations)
+        need(self.generation_max_rows >= 0, "generation_max_rows", ">= 0 (0: the whole generation batch at once)",
+             self.generation_max_rows)
         need(self.num_completions_to_print is None or self.num_completions_to_print >= 0, "num_completions_to_print",
              ">= 0 or None", self.num_completions_to_print)
         need(0 <= self.top_entropy_quantile <= 1, "top_entropy_quantile", "in [0, 1]", self.top_entropy_quantile)

@@ -4,6 +4,7 @@
     generator = StaticDecode.from_args(args, tokenizer)                # static cache, CUDA graph a token
     generator = HFGenerate.from_args(args, tokenizer, KeyedSampler(seed))   # batch-invariant draws
     generator = Replay.load("completions.jsonl")                      # recorded completions
+    generator = RowLimited(StaticDecode.from_args(args, tokenizer), 2)  # two rows decoded at a time
     with generation_weights(model_wrapped, accelerator) as model:     # fusedalign.distributed
         out = generator.generate(model, prompt_ids, row_keys, step=step)
     out.completion_ids, out.truncated, out.logprobs
@@ -13,9 +14,10 @@ from .base import GenerationError, GenerationOutput, Generator, RowKey, cut_afte
 from .hf import HFGenerate
 from .keyed import KeyedSampler, filter_logits, gumbel_noise
 from .replay import Recorder, Replay
+from .row_limit import RowLimited
 from .static import StaticDecode
 
 __all__ = [
     "GenerationError", "GenerationOutput", "Generator", "HFGenerate", "KeyedSampler", "Recorder", "Replay", "RowKey",
-    "StaticDecode", "cut_after_eos", "filter_logits", "gumbel_noise", "left_pad",
+    "RowLimited", "StaticDecode", "cut_after_eos", "filter_logits", "gumbel_noise", "left_pad",
 ]

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from fusedalign.configs import GRPOConfig
-from fusedalign.generation import HFGenerate, KeyedSampler, Replay, StaticDecode
+from fusedalign.generation import HFGenerate, KeyedSampler, Replay, RowLimited, StaticDecode
 from fusedalign.rewards import load_reward_function, load_reward_functions
 
 
@@ -22,7 +22,8 @@ def reward_callables(reward_funcs: Any, args: GRPOConfig) -> list[Callable]:
 
 def default_generator(args: GRPOConfig, tokenizer: Any) -> Any:
     """The generator the args ask for: a replay of recorded completions, else StaticDecode or
-    transformers' generate (`resolved_generation_backend`), keyed when `keyed_sampling`."""
+    transformers' generate (`resolved_generation_backend`), keyed when `keyed_sampling`, on at most
+    `generation_max_rows` rows at a time when that is set."""
     if args.replay_completions is not None:
         return Replay.load(args.replay_completions)
     sampler = None
@@ -30,5 +31,7 @@ def default_generator(args: GRPOConfig, tokenizer: Any) -> Any:
         sampler = KeyedSampler(args.seed, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                min_p=args.min_p)
     if args.resolved_generation_backend == "static":
-        return StaticDecode.from_args(args, tokenizer, sampler)
-    return HFGenerate.from_args(args, tokenizer, sampler)
+        generator = StaticDecode.from_args(args, tokenizer, sampler)
+    else:
+        generator = HFGenerate.from_args(args, tokenizer, sampler)
+    return RowLimited(generator, args.generation_max_rows) if args.generation_max_rows else generator

@@ -63,6 +63,7 @@ def test_generation_batch_and_old_logps():
     (dict(epsilon_high=-0.1), r"epsilon_high must be >= 0 or None"),
     (dict(delta=0.9), r"delta must be > 1 or None"),
     (dict(num_iterations=0), r"num_iterations must be >= 1"),
+    (dict(generation_max_rows=-1), r"generation_max_rows must be >= 0 \(0: the whole generation batch"),
     (dict(top_entropy_quantile=1.2), r"top_entropy_quantile must be in \[0, 1\]"),
     (dict(sapo_temperature_neg=0.0), r"sapo_temperature_pos/neg must be > 0"),
     (dict(reward_funcs=["zen_words", "vowels"], reward_weights=[1.0]), r"reward_weights has 1 values for 2 reward"),
