@@ -25,9 +25,9 @@
 # completions of log-normal lengths up to 2,048 tokens, ours padded and packed against TRL, whose
 # generate runs every step to the longest completion, and ours packed with its decoding step
 # compiled: at bf33ce2 generation was 90% of the packed step), PARTS=grpo_longest (at most 9
-# min 20 s: the longest completion ours (one completion a row) and TRL, at its default micro-batch
-# and at one completion a micro-batch, are predicted to train at 8 x 8, from the peak at 4,096,
-# 8,192 and 16,384 tokens),
+# min 20 s: the longest completion ours (one completion a row, two decoded at a time) and TRL, at
+# its default micro-batch and at one completion a micro-batch, are predicted to train at 8 x 8,
+# from the peak at 4,096, 8,192 and 16,384 tokens, with the rollout's KV cache at that length),
 # PARTS=grpo_long_memory (at most 6 minutes: what is alive at the peak of a step of one prompt's 8
 # completions of 16,384 tokens with checkpointing, ours one completion a row and TRL one completion
 # a micro-batch, by the line that allocated it: where the per-token cost of the longest runs goes),
@@ -156,7 +156,7 @@ part grpo_real 540 python3 benchmarks/e2e_grpo.py $X --configs trl ours_shared_p
     $GRPO_REAL \
     --warmup_steps 1 --timed_steps 2 --max_tokens_per_batch $GRPO_BUDGET \
     --model_dir "$MODEL" --log_dir "$LOGS/grpo_real" --markdown_out "$OUT/grpo_real.md"
-part grpo_longest 560 python3 benchmarks/e2e_grpo.py $X --longest_search --configs trl ours_shared_prompt trl_micro1 \
+part grpo_longest 560 python3 benchmarks/e2e_grpo.py $X --longest_search --configs trl ours_shared_prompt_rows2 trl_micro1 \
     --max_tokens_per_batch 0 $LONGEST --model_dir "$MODEL" --log_dir "$LOGS/grpo_longest" \
     --markdown_out "$OUT/grpo_longest.md"
 part grpo_long_memory 360 python3 benchmarks/e2e_grpo.py $X --configs ours_shared_prompt trl_micro1 --random_completions \

@@ -23,6 +23,7 @@ import os
 import sys
 
 from benchmarks.builders import grpo
+from benchmarks.builders.model import model_config
 from benchmarks.harness import runner
 from benchmarks.harness.bisect import longest_that_fits, memory_line
 from benchmarks.harness.env import log
@@ -115,12 +116,13 @@ def fit_table(args, out: dict) -> str:
     # TRL's longest in any of its configurations here (trl_micro1: one completion a micro-batch).
     best = max((e["predicted"] for c, e in out.items() if grpo.RUNS[c].trainer == "trl" and e.get("predicted")),
                default=None)
+    kv = grpo.kv_bytes_per_token(model_config(args.tiny), args.dtype)
     rows = []
     for config in args.configs:
         e = out.get(config, {"status": "not run", "probes": []})
         if e["status"] in ("skipped", "error", "not run"):
             rows.append([config, f"{e['status']}: {e.get('reason') or e.get('error')}" if e["status"] != "not run"
-                         else "not run"] + [""] * 5)
+                         else "not run"] + [""] * 6)
             continue
         peaks = {p["length"]: (fmt(p["peak_gib"], ".2f") if p["status"] == "ok" else p["status"]) for p in e["probes"]}
         predicted = e.get("predicted")
@@ -128,14 +130,27 @@ def fit_table(args, out: dict) -> str:
                      fmt(e.get("slope_gib_per_1k"), ".3f"), fmt(e.get("max_residual_gib"), ".3f"),
                      f"~{predicted:,}" if predicted else e["status"],
                      f"{predicted / base:.2f}x" if predicted and base else "—",
-                     f"{predicted / best:.2f}x" if predicted and best else "—"])
+                     f"{predicted / best:.2f}x" if predicted and best else "—",
+                     rollout_kv(args, config, predicted, kv)])
     total = next((e["total_gib"] for e in out.values() if e.get("total_gib")), None)
     title = (f"### GRPO, the longest max_completion_length predicted to train at {args.prompts} prompts x "
              f"{args.num_generations} completions ({grpo.micro_batch_words(args.configs, args)}, "
              f"{grpo.checkpointing_words(args)}, {args.prompt_length}-token prompts, completions of random ids at "
              f"full length): the peak's least-squares line over lengths {', '.join(map(str, sorted(args.memory_fit)))}, "
-             f"where it meets {fmt(total, '.1f')} GiB (a prediction, not a run at that length)")
+             f"where it meets {fmt(total, '.1f')} GiB (a prediction, not a run at that length). The rollout's "
+             f"KV cache is not in these peaks (the completions are random ids, not generated): the last column "
+             f"is what it would hold at the predicted length, {kv:,} bytes a token x (prompt + completion) x "
+             f"the rows decoded at once, beside the weights and optimizer state")
     return title + "\n\n" + markdown(
         ["config", "peak GiB at " + ", ".join(map(str, sorted(args.memory_fit))), "GiB per 1k tokens of length",
-         "worst residual GiB", "predicted longest max_completion_length", "vs trl", "vs TRL's longest"], rows,
-        numeric={2, 3, 4, 5, 6})
+         "worst residual GiB", "predicted longest max_completion_length", "vs trl", "vs TRL's longest",
+         "rollout KV GiB at it (rows at once)"], rows, numeric={2, 3, 4, 5, 6, 7})
+
+
+def rollout_kv(args, config: str, length: int | None, kv_bytes: int) -> str:
+    """The KV cache a generation of `length`-token completions holds in this configuration's
+    rollout: its rows decoded at once x (prompt + completion) tokens x `kv_bytes`."""
+    rows = grpo.rows_decoded_at_once(grpo.RUNS[config], args)
+    if not length:
+        return f"— ({rows})"
+    return f"{rows * (args.prompt_length + length) * kv_bytes / 2**30:.1f} ({rows})"

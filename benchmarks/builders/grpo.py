@@ -35,6 +35,7 @@ class GRPORun:
     decode_kernel: str = "sdpa"        # ours (static): the decoding step's grouped attention
     fuse_projections: bool = False     # ours (static): q/k/v and gate/up as one GEMM each while decoding
     micro_batch: int | None = None     # per_device_train_batch_size for this configuration (None: the flag's)
+    generation_max_rows: int = 0       # ours: completions decoded at once (0: the whole generation batch)
     about: str = ""
 
 
@@ -72,6 +73,9 @@ RUNS = {r.name: r for r in (
             about="ours with padding_free=True: each step's completions in packed rows up to the token budget"),
     GRPORun("ours_shared_prompt", "ours", padding_free=True, share_prompt=True,
             about="ours with padding_free=True and share_prompt=True: a group's prompt once in its packed row"),
+    GRPORun("ours_shared_prompt_rows2", "ours", padding_free=True, share_prompt=True, generation_max_rows=2,
+            about="ours_shared_prompt with generation_max_rows=2: the rollout decodes two completions at a time, "
+                  "its KV cache two rows rather than the generation batch"),
     GRPORun("ours_shared_prompt_compiled", "ours", padding_free=True, share_prompt=True, compile_generation=True,
             about="ours_shared_prompt with compile_generation=True: the decoding step compiled, then captured (at "
                   "realistic lengths a generation is its longest row's steps, most of them at a small batch, where "
@@ -132,6 +136,21 @@ def lower_half_reward(vocab: int):
 def micro_batch_of(run: GRPORun, s) -> int:
     """The configuration's own micro-batch (trl_micro1's 1), else the flag's."""
     return run.micro_batch if run.micro_batch is not None else s.per_device_train_batch_size
+
+
+def rows_decoded_at_once(run: GRPORun, s) -> int:
+    """The completions a configuration's rollout decodes together: the generation batch (both
+    trainers generate a step's --prompts x --num_generations at once here: `steps_per_generation`
+    is the step's micro-batches), or ours' generation_max_rows where set."""
+    completions = s.prompts * s.num_generations
+    return min(completions, run.generation_max_rows) if run.generation_max_rows else completions
+
+
+def kv_bytes_per_token(config, dtype: str) -> int:
+    """One token's KV cache over every layer: 2 (K and V) x layers x key/value heads x head size x bytes."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * {"bf16": 2, "fp32": 4}[dtype]
 
 
 def apply_micro_batch(run: GRPORun, s) -> None:
@@ -264,7 +283,7 @@ def build_ours(run, s, output_dir, prompts, tokenizer, callback, timers, reward)
                       compile_generation=run.compile_generation,
                       generation_backend=run.generation_backend, compile_layers=run.compile_layers,
                       fused_sampling=run.fused_sampling, decode_kernel=run.decode_kernel,
-                      fuse_projections=run.fuse_projections, **packing)
+                      fuse_projections=run.fuse_projections, generation_max_rows=run.generation_max_rows, **packing)
     index = list(range(len(prompts)))
     rows = Dataset.from_dict({"prompt": [str(i) for i in index], "prompt_ids": prompts, "row_index": index})
     trainer = BenchGRPOTrainer(model=s.model_dir, reward_funcs=[reward], args=args, train_dataset=rows,

@@ -48,9 +48,9 @@ def test_each_line_is_also_compared_with_trls_longest_configuration(monkeypatch)
     found, text = grpo_longest.fit(args, {"trl": None, "ours_shared_prompt": None, "trl_micro1": None})
     assert found["trl_micro1"]["predicted"] == 294_912  # (80 - 8) x 4096
     row = next(line for line in text.splitlines() if line.startswith("| ours_shared_prompt |"))
-    assert row.rstrip(" |").endswith("8.22x | 2.01x")  # 592,000 against 72,000 and 294,912
+    assert "| 8.22x | 2.01x |" in row  # 592,000 against 72,000 and 294,912
     row = next(line for line in text.splitlines() if line.startswith("| trl_micro1 |"))
-    assert row.rstrip(" |").endswith("4.10x | 1.00x")
+    assert "| 4.10x | 1.00x |" in row
 
 
 def test_a_length_that_does_not_fit_ends_the_configurations_probes_and_is_shown(monkeypatch):
@@ -122,3 +122,26 @@ def test_trl_micro1_trains_one_completion_a_micro_batch():
     args.total_steps = 2
     kw = grpo.grpo_args(args, "/tmp/unused")
     assert (kw["per_device_train_batch_size"], kw["gradient_accumulation_steps"], kw["steps_per_generation"]) == (1, 8, 8)
+
+
+def test_the_rollouts_kv_cache_at_the_predicted_length_is_shown_for_the_rows_decoded_at_once(monkeypatch):
+    """The peaks leave out generation (random completions); the last column gives the KV cache a
+    rollout at the predicted length would hold: every completion of the step at once for TRL and
+    ours by default, two for generation_max_rows=2."""
+    from benchmarks.builders import grpo
+    from benchmarks.builders.model import model_config
+
+    args = _args("--memory_fit", "4096", "8192", "--configs", "trl", "ours_shared_prompt_rows2",
+                 "--prompts", "8", "--num_generations", "8", "--prompt_length", "128")
+    _fake(monkeypatch, {"trl": (8.0, 1e-3), "ours_shared_prompt_rows2": (6.0, 1.25e-4)})
+    found, text = grpo_longest.fit(args, {"trl": None, "ours_shared_prompt_rows2": None})
+    c = model_config(True)
+    per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4  # fp32
+    assert grpo.kv_bytes_per_token(c, "fp32") == per_token and grpo.kv_bytes_per_token(c, "bf16") == per_token // 2
+    assert grpo.rows_decoded_at_once(grpo.RUNS["trl"], args) == 64
+    assert grpo.rows_decoded_at_once(grpo.RUNS["ours_shared_prompt_rows2"], args) == 2
+    for config, rows, length in (("trl", 64, 72_000), ("ours_shared_prompt_rows2", 2, 592_000)):
+        assert found[config]["predicted"] == length
+        row = next(line for line in text.splitlines() if line.startswith(f"| {config} |"))
+        assert row.rstrip(" |").endswith(f"{rows * (128 + length) * per_token / 2**30:.1f} ({rows})")
+    assert f"{per_token:,} bytes a token" in text
