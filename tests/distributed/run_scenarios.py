@@ -157,7 +157,7 @@ def _grpo_trainer(spec: dict, common: dict, peft_config):
         mask_truncated_completions=spec.get("mask_truncated_completions", False),
         keyed_sampling=spec.get("keyed", False), generation_backend=spec.get("generation_backend", "auto"), **own,
         fused_sampling=spec.get("fused_sampling", False), fuse_projections=spec.get("fuse_projections", False),
-        **_packed(spec),
+        generation_max_rows=spec.get("generation_max_rows", 0), **_packed(spec),
     )
     prompts = load_dataset_any("builtin:zen", "standard_prompt_only", split="train").select(range(32))
     replay = uneven_replay(32, generations, load_tokenizer("builtin:tiny-qwen2").eos_token_id,

@@ -90,9 +90,11 @@ _lora = ({**GRPO, "name": "lora_kl", "fused": True, "per_device_batch": 4, "beta
 _keyed = ({**GRPO, "name": "keyed", "fused": True, "per_device_batch": 4, "keyed": True}, "keyed")
 # StaticDecode's own decoding loop (eager on CPU) on the weights each backend makes whole, with each
 # layer's projections fused while decoding (the copies taken at each module's first call: FSDP2
-# makes its weights whole inside the forward, ZeRO-3 gathers them around the whole generation).
+# makes its weights whole inside the forward, ZeRO-3 gathers them around the whole generation),
+# and each rank's 4 rows decoded at most 3 at a time (generation_max_rows: parts of 3 and 1 rows, each its
+# own call inside the one whole-weights context).
 _keyed_static = ({**GRPO, "name": "keyed_static", "fused": True, "per_device_batch": 4, "keyed": True,
-                  "generation_backend": "static", "fuse_projections": True}, "keyed")
+                  "generation_backend": "static", "fuse_projections": True, "generation_max_rows": 3}, "keyed")
 # The sampling head (the draw inside the head's forward) and compaction of the rows that ended, on the
 # weights ZeRO-3 and FSDP2 make whole, against one process's logits path, uncompacted rows included.
 _keyed_fused = ({**GRPO, "name": "keyed_fused_sampling", "fused": True, "per_device_batch": 4, "keyed": True,
@@ -187,9 +189,10 @@ def test_backend_equals_single_process_unfused(runs, backend, name, want):
         assert result(baseline, want)["generator_last_call"]["fused_sampling"] is False
         lengths = [step["completions/mean_length"] for step in result(baseline, want)["history"]]
         assert all(length < 12 for length in lengths), lengths  # completions ended early
-    if name == "keyed_static":  # StaticDecode's own loop ran, not its fallback to generate
-        assert result(got, name)["generator"] == "StaticDecode"
+    if name == "keyed_static":  # StaticDecode's own loop ran, not its fallback to generate, on parts of the rows
+        assert result(got, name)["generator"] == "RowLimited"
         assert result(got, name)["generator_last_call"]["path"] == "static"
+        assert result(got, name)["generator_last_call"]["batch_sizes"][0] == 1  # the last part: 4 rows = 3 + 1
         assert result(baseline, want)["generator"] == "HFGenerate"
         fused = result(got, name)["generator_last_call"]["fused_projections"]
         assert fused == {"mlps": 2, "attentions": 2}, (backend, fused)  # tiny-qwen2's two layers, every one
