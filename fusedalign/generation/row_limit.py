@@ -24,7 +24,8 @@ class RowLimited:
     """A generator (`base.Generator`) that calls `generator` on at most `max_rows` rows at a time.
 
     Attributes of the wrapped generator (StaticDecode's `last_call`, say) read through; they
-    describe its last call, the batch's last part.
+    describe its last call, the batch's last part. Setting one sets it on `generator`: a flag
+    changed on the wrapper (`check_every`, say) reaches every part's call.
     """
 
     def __init__(self, generator: Generator, max_rows: int):
@@ -37,6 +38,12 @@ class RowLimited:
         if name == "generator":  # not yet set (during unpickling): no recursion
             raise AttributeError(name)
         return getattr(self.generator, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in ("generator", "max_rows", "generate"):  # the wrapper's own (a benchmark may time `generate`)
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.generator, name, value)
 
     def generate(self, model: Any, prompt_ids: Sequence[Sequence[int]], row_keys: Sequence[RowKey], *,
                  step: int = 0) -> GenerationOutput:

@@ -42,6 +42,8 @@ def test_parts_are_consecutive_rows_in_order_and_outputs_join_in_order():
     assert out.truncated == [len(p) > 4 for p in prompts]
     assert out.logprobs == [[float(i)] * len(p) for i, p in enumerate(prompts)]
     assert RowLimited(inner, 2).last_call == {"rows": 1, "step": 7}  # the wrapped generator's, read through
+    RowLimited(inner, 2).check_every = 3  # and set through: every part's call sees it
+    assert inner.check_every == 3 and "check_every" not in vars(RowLimited(inner, 2))
     inner.calls.clear()
     RowLimited(inner, 8).generate(None, prompts, keys)  # no more rows than the limit: one call
     assert inner.calls == [keys]
