@@ -1,8 +1,9 @@
 """At most `max_rows` completions decoded at once: a generation batch in consecutive parts.
 
-Why. Decoding holds every live row's KV cache for the whole completion: at 12 KB a token
-(Qwen2.5-0.5B's shape) a group of 8 completions of L tokens holds 96 KB per token of L, as
-much as training one checkpointed completion of the same length. So at long completions the
+Why. Decoding holds every live row's KV cache for the whole completion: at 12 KiB a token
+(Qwen2.5-0.5B's shape, bf16) a group of 8 completions of L tokens holds 96 KiB per token of L,
+about what training one checkpointed completion of the same length holds (each layer's input,
+42 KiB a token, and one layer's recomputed activations). So at long completions the
 rollout sets the peak however lean training is, and no training micro-batch can lower it.
 Decoding the batch two rows at a time holds a quarter of that, at the price of more decoding
 steps (a step at batch 2 costs about what one at batch 8 does: decoding reads the weights
