@@ -26,6 +26,7 @@ from benchmarks.builders import grpo
 from benchmarks.builders.model import model_config
 from benchmarks.harness import runner
 from benchmarks.harness.bisect import longest_that_fits, memory_line
+from benchmarks.harness.decode_limit import Shape
 from benchmarks.harness.env import log
 from benchmarks.harness.tables import fmt, markdown, write_markdown
 
@@ -116,7 +117,11 @@ def fit_table(args, out: dict) -> str:
     # TRL's longest in any of its configurations here (trl_micro1: one completion a micro-batch).
     best = max((e["predicted"] for c, e in out.items() if grpo.RUNS[c].trainer == "trl" and e.get("predicted")),
                default=None)
-    kv = grpo.kv_bytes_per_token(model_config(args.tiny), args.dtype)
+    # The policy's KV cache a token (the parameter count plays no part in it).
+    import torch
+
+    dtype_bytes = getattr(torch, grpo.WEIGHTS[args.dtype]).itemsize  # the policy's weights, so its KV cache
+    kv = Shape.of(model_config(args.tiny), params=0, dtype_bytes=dtype_bytes).kv_bytes_per_token
     rows = []
     for config in args.configs:
         e = out.get(config, {"status": "not run", "probes": []})

@@ -146,13 +146,6 @@ def rows_decoded_at_once(run: GRPORun, s) -> int:
     return min(completions, run.generation_max_rows) if run.generation_max_rows else completions
 
 
-def kv_bytes_per_token(config, dtype: str) -> int:
-    """One token's KV cache over every layer: 2 (K and V) x layers x key/value heads x head size x bytes."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return 2 * config.num_hidden_layers * kv_heads * head_dim * {"bf16": 2, "fp32": 4}[dtype]
-
-
 def apply_micro_batch(run: GRPORun, s) -> None:
     """The worker's settings with `micro_batch_of`: `grpo_args` then divides the step's completions
     into that many accumulation steps."""

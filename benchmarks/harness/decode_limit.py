@@ -53,6 +53,11 @@ class Shape:
     vocab: int
     dtype_bytes: int
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """One token's KV cache over every layer: 2 (K and V) x L x g x d x e."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
     @classmethod
     def of(cls, config, params: int, dtype_bytes: int) -> "Shape":
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -72,7 +77,6 @@ def limit_tokens_per_s(shape: Shape, peaks: Peaks, prompt_length: int, live_rows
 def step_seconds(shape: Shape, peaks: Peaks, rows: float, context: int) -> float:
     """The floor of one decoding step: `rows` rows each at `context` tokens (the bytes and flops above)."""
     s = shape
-    kv_per_token = 2 * s.layers * s.kv_heads * s.head_dim * s.dtype_bytes
-    traffic = s.params * s.dtype_bytes + rows * context * kv_per_token
+    traffic = s.params * s.dtype_bytes + rows * context * s.kv_bytes_per_token
     work = 2 * rows * s.params + 4 * rows * context * s.layers * s.heads * s.head_dim
     return max(traffic / (peaks.tb_per_s * 1e12), work / (peaks.tflops * 1e12))

@@ -130,6 +130,7 @@ def test_the_rollouts_kv_cache_at_the_predicted_length_is_shown_for_the_rows_dec
     ours by default, two for generation_max_rows=2."""
     from benchmarks.builders import grpo
     from benchmarks.builders.model import model_config
+    from benchmarks.harness.decode_limit import Shape
 
     args = _args("--memory_fit", "4096", "8192", "--configs", "trl", "ours_shared_prompt_rows2",
                  "--prompts", "8", "--num_generations", "8", "--prompt_length", "128")
@@ -137,7 +138,7 @@ def test_the_rollouts_kv_cache_at_the_predicted_length_is_shown_for_the_rows_dec
     found, text = grpo_longest.fit(args, {"trl": None, "ours_shared_prompt_rows2": None})
     c = model_config(True)
     per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4  # fp32
-    assert grpo.kv_bytes_per_token(c, "fp32") == per_token and grpo.kv_bytes_per_token(c, "bf16") == per_token // 2
+    assert Shape.of(c, 0, 4).kv_bytes_per_token == per_token and Shape.of(c, 0, 2).kv_bytes_per_token == per_token // 2
     assert grpo.rows_decoded_at_once(grpo.RUNS["trl"], args) == 64
     assert grpo.rows_decoded_at_once(grpo.RUNS["ours_shared_prompt_rows2"], args) == 2
     for config, rows, length in (("trl", 64, 72_000), ("ours_shared_prompt_rows2", 2, 592_000)):
