@@ -208,6 +208,13 @@ class FusedAlignConfig(TrainingArguments):
                   "RoPE) in the backward instead of saving them, never a matmul or attention (less memory, "
                   "same FLOPs); 'default' is torch's own choice.", "choices": ["elementwise", "default"]},
     )
+    tiled_mlp_tokens: int = field(
+        default=0,
+        metadata={"help": "Run each decoder layer's MLP over tiles of this many tokens, each tile checkpointed, so "
+                  "that only one tile's MLP activations exist at a time (policy, reference, teacher); the MLP "
+                  "runs forward once more in the backward. For long rows; 0 (default) leaves the MLPs whole. "
+                  "Dense MLPs only. Not in TRL."},
+    )
     max_length: int | None = field(default=1024, metadata={"help": "Maximum tokens of prompt + completion."})
     dataset_num_proc: int | None = field(default=None)
     logging_steps: float = field(default=1)
@@ -263,6 +270,8 @@ class FusedAlignConfig(TrainingArguments):
         check_init_dtype(self.model_init_kwargs, "model_init_kwargs")
         check_attention_available((self.model_init_kwargs or {}).get("attn_implementation"),
                                   "model_init_kwargs attn_implementation")
+        if self.tiled_mlp_tokens < 0:
+            raise ValueError(f"--tiled_mlp_tokens must be >= 0 (0 leaves the MLPs whole); got {self.tiled_mlp_tokens}.")
         if self.max_length is not None and self.max_length <= 0:
             raise ValueError(f"max_length must be positive, got {self.max_length}.")
         if self.compile_layers and self.gradient_checkpointing:

@@ -14,6 +14,7 @@ from torch import nn
 from fusedalign.backbone import apply_liger_kernels, compile_decoder_layers
 from fusedalign.distributed import check_compile_layers_supported
 from fusedalign.models import load_model_with, load_tokenizer
+from fusedalign.tiled_mlp import tile_mlps
 
 
 class Policy(NamedTuple):
@@ -65,13 +66,18 @@ def load_policy(model: nn.Module | str, args: Any, processing_class: Any = None,
         model = get_peft_model(model, peft_config)
     if getattr(args, "disable_dropout", False):
         disable_dropout(model)
-    compile_layers(model, args)
+    layer_options(model, args)
     return Policy(model, tokenizer, is_peft, path)
 
 
-def compile_layers(model: nn.Module | None, args: Any) -> None:
-    """`--compile_layers`: each decoder layer's forward compiled (where the backend allows it)."""
-    if model is not None and getattr(args, "compile_layers", False):
+def layer_options(model: nn.Module | None, args: Any) -> None:
+    """The decoder layers' options: `--tiled_mlp_tokens` (each MLP over tiles of tokens), then
+    `--compile_layers` (each layer's forward compiled, where the backend allows it)."""
+    if model is None:
+        return
+    if getattr(args, "tiled_mlp_tokens", 0):
+        tile_mlps(model, args.tiled_mlp_tokens)
+    if getattr(args, "compile_layers", False):
         check_compile_layers_supported()
         compile_decoder_layers(
             model, recompute=getattr(args, "compile_recompute", "elementwise"),

@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 
 from fusedalign.distributed import prepare_reference_model
 from fusedalign.models import load_model
-from fusedalign.trainers.policy import Policy, compile_layers, disable_dropout, model_dtype
+from fusedalign.trainers.policy import Policy, disable_dropout, layer_options, model_dtype
 
 ROW_KEY = "row_key"  # [B] int64 content hash of each row, added by collators that are asked for it
 
@@ -55,7 +55,7 @@ def load_reference_model(ref_model: nn.Module | str | None, policy: Policy, args
             from fusedalign.backbone import apply_liger_kernels
 
             apply_liger_kernels(ref_model)
-        compile_layers(ref_model, args)
+        layer_options(ref_model, args)
     return ref_model
 
 

@@ -15,7 +15,7 @@ from typing import Any
 from torch import nn
 
 from fusedalign.models import load_model_with, load_tokenizer
-from fusedalign.trainers.policy import Policy, compile_layers, model_dtype
+from fusedalign.trainers.policy import Policy, layer_options, model_dtype
 
 
 def load_teacher(teacher: nn.Module | str | None, policy: Policy, args: Any) -> nn.Module:
@@ -39,7 +39,7 @@ def load_teacher(teacher: nn.Module | str | None, policy: Policy, args: Any) -> 
         teacher = load_model_with(name, "teacher_model_init_kwargs", kwargs, dtype=dtype)
     path = name or getattr(getattr(teacher, "config", None), "_name_or_path", None)
     check_same_vocabulary(policy.model, policy.tokenizer, teacher, _tokenizer_at(path), args.beta, path)
-    compile_layers(teacher, args)
+    layer_options(teacher, args)
     return teacher
 
 
