@@ -28,9 +28,10 @@
 # min 20 s: the longest completion ours (one completion a row, two decoded at a time) and TRL, at
 # its default micro-batch and at one completion a micro-batch, are predicted to train at 8 x 8,
 # from the peak at 4,096, 8,192 and 16,384 tokens, with the rollout's KV cache at that length),
-# PARTS=grpo_long_memory (at most 6 minutes: what is alive at the peak of a step of one prompt's 8
-# completions of 16,384 tokens with checkpointing, ours one completion a row and TRL one completion
-# a micro-batch, by the line that allocated it: where the per-token cost of the longest runs goes),
+# PARTS=grpo_long_memory (at most 7 minutes: what is alive at the peak of a step of one prompt's 8
+# completions of 16,384 tokens with checkpointing, ours one completion a row (also with each layer's
+# MLP in tiles of 896 tokens) and TRL one completion a micro-batch, by the line that allocated it:
+# where the per-token cost of the longest runs goes),
 # PARTS="compiled_decode attention compiled_generation compiled_grpo" (at most 9 min 20 s:
 # StaticDecode's step compiled by inductor against the uncompiled one, by part, in generation
 # and in GRPO; and one step's attention computed seven ways, decode_attention.py, the Triton
@@ -159,7 +160,7 @@ part grpo_real 540 python3 benchmarks/e2e_grpo.py $X --configs trl ours_shared_p
 part grpo_longest 560 python3 benchmarks/e2e_grpo.py $X --longest_search --configs trl ours_shared_prompt_rows2 trl_micro1 \
     --max_tokens_per_batch 0 $LONGEST --model_dir "$MODEL" --log_dir "$LOGS/grpo_longest" \
     --markdown_out "$OUT/grpo_longest.md"
-part grpo_long_memory 360 python3 benchmarks/e2e_grpo.py $X --configs ours_shared_prompt trl_micro1 --random_completions \
+part grpo_long_memory 420 python3 benchmarks/e2e_grpo.py $X --configs ours_shared_prompt ours_shared_prompt_rows2_tiled trl_micro1 --random_completions \
     --prompts 1 --num_generations 8 --per_device_train_batch_size 8 --new_tokens $LONG_TOKENS --gradient_checkpointing \
     --max_tokens_per_batch 0 --warmup_steps 1 --timed_steps 1 $SNAPSHOT \
     --model_dir "$MODEL" --log_dir "$LOGS/grpo_long_memory" --markdown_out "$OUT/grpo_long_memory.md"

@@ -36,6 +36,7 @@ class GRPORun:
     fuse_projections: bool = False     # ours (static): q/k/v and gate/up as one GEMM each while decoding
     micro_batch: int | None = None     # per_device_train_batch_size for this configuration (None: the flag's)
     generation_max_rows: int = 0       # ours: completions decoded at once (0: the whole generation batch)
+    tiled_mlp_tokens: int = 0          # ours: each decoder layer's MLP over tiles of this many tokens (0: whole)
     about: str = ""
 
 
@@ -76,6 +77,10 @@ RUNS = {r.name: r for r in (
     GRPORun("ours_shared_prompt_rows2", "ours", padding_free=True, share_prompt=True, generation_max_rows=2,
             about="ours_shared_prompt with generation_max_rows=2: the rollout decodes two completions at a time, "
                   "its KV cache two rows rather than the generation batch"),
+    GRPORun("ours_shared_prompt_rows2_tiled", "ours", padding_free=True, share_prompt=True, generation_max_rows=2,
+            tiled_mlp_tokens=896,
+            about="ours_shared_prompt_rows2 with tiled_mlp_tokens=896 (the hidden size): each layer's MLP over tiles "
+                  "of 896 tokens, each tile checkpointed, so a layer's recompute holds one tile's MLP activations"),
     GRPORun("ours_shared_prompt_compiled", "ours", padding_free=True, share_prompt=True, compile_generation=True,
             about="ours_shared_prompt with compile_generation=True: the decoding step compiled, then captured (at "
                   "realistic lengths a generation is its longest row's steps, most of them at a small batch, where "
@@ -276,7 +281,8 @@ def build_ours(run, s, output_dir, prompts, tokenizer, callback, timers, reward)
                       compile_generation=run.compile_generation,
                       generation_backend=run.generation_backend, compile_layers=run.compile_layers,
                       fused_sampling=run.fused_sampling, decode_kernel=run.decode_kernel,
-                      fuse_projections=run.fuse_projections, generation_max_rows=run.generation_max_rows, **packing)
+                      fuse_projections=run.fuse_projections, generation_max_rows=run.generation_max_rows,
+                      tiled_mlp_tokens=run.tiled_mlp_tokens, **packing)
     index = list(range(len(prompts)))
     rows = Dataset.from_dict({"prompt": [str(i) for i in index], "prompt_ids": prompts, "row_index": index})
     trainer = BenchGRPOTrainer(model=s.model_dir, reward_funcs=[reward], args=args, train_dataset=rows,
