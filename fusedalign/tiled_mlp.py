@@ -11,7 +11,10 @@ gradients (the reference's and the teacher's passes, evaluation) tiling alone bo
 intermediates' transient memory the same way. This is the tiled MLP of Arctic Long Sequence
 Training (arXiv 2506.13996), built here from plain `torch.utils.checkpoint`, so that the
 gradients flow through the ordinary autograd graph: DDP's and DeepSpeed's gradient hooks and
-FSDP2's reshard see one gradient a parameter, summed over the tiles, as without tiling.
+FSDP2's reshard see one gradient a parameter, summed over the tiles, as without tiling. Under
+ZeRO-3, which gathers a module's weights at each of its calls, the MLP's weights are gathered
+once for all its tiles (`distributed.gather_once_per_call`), since ranks run different numbers of
+tiles; FSDP2 gathers a whole decoder layer at once, so the tiles inside it are plain calls.
 
 The cost: each tile's MLP runs forward once more in the backward (with gradient checkpointing
 on, twice more). The result equals the untiled MLP's up to the rounding of smaller matmuls.
@@ -27,6 +30,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fusedalign.backbone import decoder_layers
+from fusedalign.distributed import gather_once_per_call
 from fusedalign.head import unwrap_model
 
 # Modules whose output for a token depends on more than that token's hidden state (a router's
@@ -95,5 +99,7 @@ def tile_mlps(model: nn.Module, tokens: int) -> int:
             # The instance's own attribute: the class, shared with other models, is untouched.
             mlp.forward = functools.partial(_tiled_forward, mlp.forward, tokens)
             mlp._fusedalign_tile_tokens = tokens
+            # ZeRO-3 gathers at each call of a child, and ranks run different numbers of tiles.
+            gather_once_per_call(mlp)
             tiled += 1
     return tiled

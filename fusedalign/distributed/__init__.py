@@ -13,6 +13,7 @@ from fusedalign.distributed.backend import (
     check_compile_generation_supported,
     check_compile_layers_supported,
     configure_cpu_arguments,
+    gather_once_per_call,
     is_fsdp2,
     is_zero3,
     prepare_trainer_process,
@@ -27,7 +28,7 @@ from fusedalign.distributed.models import prepare_final_save, prepare_reference_
 
 __all__ = [
     "DistributedBackend", "backend_from_env", "check_compile_generation_supported", "check_compile_layers_supported",
-    "configure_cpu_arguments",
+    "configure_cpu_arguments", "gather_once_per_call",
     "is_fsdp2", "is_zero3",
     "prepare_final_save", "prepare_trainer_process", "prepare_reference_model", "setup_distributed", "teardown_distributed", "use_cpu",
     "world_size_from_env", "zero3_enabled",

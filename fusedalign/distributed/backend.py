@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 import torch
+from torch import nn
 
 
 class DistributedBackend(str, enum.Enum):
@@ -145,6 +146,22 @@ def zero3_enabled() -> bool:
     from transformers.integrations import is_deepspeed_zero3_enabled
 
     return is_deepspeed_zero3_enabled()
+
+
+def gather_once_per_call(module: nn.Module) -> None:
+    """Under DeepSpeed ZeRO-3: `module`'s parameters, its children's included, gathered once a call of
+    `module` (and once for its backward), not at each call of a child. Nothing on other backends.
+
+    ZeRO-3 gathers a module's parameters with a collective at every call of the module that holds
+    them. A module that calls its children a number of times that differs by rank (a tiled MLP: one
+    call a tile, the tiles following each rank's own tokens) would have the ranks wait on each
+    other's gathers forever. DeepSpeed's leaf-module flag moves the gather to the module itself.
+    Call it before the model is prepared for the backend: DeepSpeed registers its hooks then.
+    """
+    if zero3_enabled():
+        from deepspeed.utils import set_z3_leaf_module
+
+        set_z3_leaf_module(module, True)
 
 
 def check_compile_layers_supported() -> None:

@@ -69,6 +69,7 @@ def build_trainer(spec: dict, out_dir: str):
         dataloader_drop_last=False, max_length=spec.get("max_length", 64),
         compile_layers=spec.get("compile", False), gradient_checkpointing=spec.get("gradient_checkpointing", False),
         gradient_checkpointing_kwargs={"use_reentrant": False} if spec.get("gradient_checkpointing") else None,
+        tiled_mlp_tokens=spec.get("tiled_mlp_tokens", 0),
     )
     peft_config = None
     if spec.get("peft"):
@@ -234,6 +235,7 @@ def run(spec: dict, out_root: str) -> None:
     frozen_partitioned = None if frozen is None else partitioned(frozen)
     rewards_partitioned = [partitioned(model) for model in reward_models(trainer)]
     micro_batches = record_micro_batches(trainer)
+    tile_checkpoints = _count_tile_checkpoints()
     head = HeadCalls().start()
     resume = os.path.join(out_dir, f"checkpoint-{spec['resume_at']}") if spec.get("resume_at") else None
     trainer.train(resume_from_checkpoint=resume)
@@ -265,6 +267,10 @@ def run(spec: dict, out_root: str) -> None:
         "generator_last_call": getattr(getattr(trainer, "generator", None), "last_call", None),
         # The types of the prepared micro-batches the loss read (padded or packed rows), on this rank.
         "batch_types": sorted({type(batch).__name__ for batch in micro_batches}),
+        # --tiled_mlp_tokens: the MLPs tiled in the policy and the frozen model, and the tiles run under
+        # their own checkpoint (with gradients) on this rank.
+        "tiled_mlps": [_tiled_mlps(trainer.model), _tiled_mlps(frozen)],
+        "tile_checkpoints": tile_checkpoints[0],
     }
     # Per rank: the forwards the loss ran (a micro-batch in parts runs one per part), and the most tokens
     # one of them held (packed rows).
@@ -285,6 +291,24 @@ def run(spec: dict, out_root: str) -> None:
         metrics = trainer.evaluate()
         result["eval"] = {k: v for k, v in metrics.items() if isinstance(v, float) and "runtime" not in k and "per_second" not in k}
     save_result(trainer, out_dir, result)
+
+
+def _count_tile_checkpoints() -> list[int]:
+    """Counts the checkpointed tiles of fusedalign/tiled_mlp.py from now on (one counter a process)."""
+    import fusedalign.tiled_mlp as tiled_mlp
+
+    calls, inner = [0], tiled_mlp.checkpoint
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return inner(*args, **kwargs)
+
+    tiled_mlp.checkpoint = counted
+    return calls
+
+
+def _tiled_mlps(model) -> int:
+    return 0 if model is None else sum(1 for m in model.modules() if getattr(m, "_fusedalign_tile_tokens", None))
 
 
 def frozen_model(trainer):

@@ -117,6 +117,9 @@ _packed = ({**GRPO, "name": "packed_kl_mu2", "fused": True, "per_device_batch": 
 # normaliser (the step's loss tokens over both ranks).
 _packed_ckpt = ({**_packed[0], "name": "packed_kl_mu2_ckpt", "gradient_checkpointing": True, "loss_type": "dapo"},
                 "dapo_kl_mu2")
+# The same with each layer's MLP over tiles of 16 tokens (tiled_mlp_tokens), each tile checkpointed inside
+# the layer's checkpoint: on ZeRO-3 and FSDP2 every tile's recompute gathers the MLP's weights again.
+_packed_tiled = ({**_packed_ckpt[0], "name": "packed_tiled_ckpt", "tiled_mlp_tokens": 16}, "dapo_kl_mu2")
 _packed_losses = [({**_packed[0], "name": f"packed_{loss}", "loss_type": loss}, f"{loss}_kl_mu2")
                   for loss in PACKED_LOSSES[1:]]
 # A budget (21) below a prompt group (4 completions, 24-45 tokens): each rank's step needs 2 to 4 rows for
@@ -128,12 +131,12 @@ _parts = ({**_packed[0], "name": "packed_parts_kl_mu2", "max_tokens_per_batch": 
 _reward_model = ({**GRPO, "name": "reward_model", "fused": True, "per_device_batch": 4, "reward_model": True},
                  "reward_model")
 SCENARIOS = {
-    "ddp": _common + [_lora, _span, _accum, _masked_rank0, _packed, _packed_ckpt, _parts, _reward_model,
+    "ddp": _common + [_lora, _span, _accum, _masked_rank0, _packed, _packed_ckpt, _packed_tiled, _parts, _reward_model,
                       *_packed_losses],
-    "zero2": _common + [_kl, _packed, _packed_ckpt, _parts, _reward_model],
+    "zero2": _common + [_kl, _packed, _packed_ckpt, _packed_tiled, _parts, _reward_model],
     "zero3": _common + [_kl, _lora, _keyed, _keyed_static, _keyed_fused, _span, _masked_rank0, _resumed, _packed,
-                        _packed_ckpt, _parts, _reward_model],
-    "fsdp2": _common + [_kl, _lora, _keyed, _keyed_static, _keyed_fused, _packed, _packed_ckpt, _parts,
+                        _packed_ckpt, _packed_tiled, _parts, _reward_model],
+    "fsdp2": _common + [_kl, _lora, _keyed, _keyed_static, _keyed_fused, _packed, _packed_ckpt, _packed_tiled, _parts,
                         _reward_model],
 }
 CASES = [(backend, spec["name"], want) for backend in BACKENDS for spec, want in SCENARIOS[backend]]
@@ -180,6 +183,9 @@ def test_backend_equals_single_process_unfused(runs, backend, name, want):
         forwards, largest = result(got, name)["forwards_per_rank"], result(got, name)["largest_forward_per_rank"]
         assert forwards[0] == forwards[1] > 3 * 2 and max(largest) <= PARTS_BUDGET, (forwards, largest)
         assert result(got, "packed_kl_mu2")["forwards_per_rank"] == [3 * 2, 3 * 2]  # 3 steps x 2 micro-batches
+    if name == "packed_tiled_ckpt":  # every MLP tiled, policy and reference, and tiles ran with gradients
+        assert result(got, name)["tiled_mlps"] == [2, 2] and result(got, name)["tile_checkpoints"] > 0, result(got, name)
+        assert result(baseline, want)["tiled_mlps"] == [0, 0] and result(baseline, want)["tile_checkpoints"] == 0
     if name == "reward_model":  # the reward model was loaded and prepared on this backend
         assert len(result(got, name)["reward_models_partitioned"]) == 1
     if name == "keyed_fused_sampling":  # the head drew, rows that ended were compacted away, in both runs
