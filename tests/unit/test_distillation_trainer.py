@@ -1,7 +1,8 @@
 """DistillationTrainer on tiny models (student tiny-qwen2, teacher tiny-zen-teacher: another
 architecture, tied head) with replayed completions: the first step's loss, entropy and update
 are TRL's generalised JSD computed by hand from full logits, fused = unfused for beta 0, 0.5
-and 1 and with LoRA on the student's head, a step is the same however it is split, a teacher
+and 1 and with LoRA on the student's head, tiled MLPs (student and teacher) train as whole ones,
+a step is the same however it is split, a teacher
 with a larger (padded) head trains and one with beta 0 is refused, and a run resumed from a
 checkpoint (keyed sampling) equals the uninterrupted one."""
 
@@ -101,6 +102,20 @@ def test_fused_equals_unfused(tmp_path, prompts, replay, beta):
         assert [r[key] for r in fused] == pytest.approx([r[key] for r in unfused], rel=1e-5), key
     for name in wf:
         torch.testing.assert_close(wf[name], wu[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_tiled_mlps_in_student_and_teacher_train_as_whole_ones(tmp_path, prompts, replay):
+    """--tiled_mlp_tokens 5: the student's and the teacher's MLPs over tiles (completions of up to 12
+    tokens after their prompts), the same losses and weights as whole MLPs."""
+    tiled_trainer, tiled, wt = _train(tmp_path / "t", prompts, replay, tiled_mlp_tokens=5)
+    _, whole, ww = _train(tmp_path / "w", prompts, replay)
+    for model in (tiled_trainer.model, tiled_trainer.teacher_model):
+        mlps = [m for m in model.modules() if type(m).__name__.endswith("MLP")]
+        assert mlps and all(m._fusedalign_tile_tokens == 5 for m in mlps), type(model).__name__
+    for key in ("loss", "entropy", "grad_norm"):
+        assert [r[key] for r in tiled] == pytest.approx([r[key] for r in whole], rel=1e-5), key
+    for name in ww:
+        torch.testing.assert_close(wt[name], ww[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_fused_equals_unfused_with_lora_on_the_students_head(tmp_path, prompts, replay):
