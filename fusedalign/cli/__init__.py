@@ -114,6 +114,19 @@ def _training_started() -> bool:
     return bool(training is not None and training.STATE["training"])
 
 
+# How long a rank other than the main one waits, after an error found before training, before it
+# exits. The launcher stops every rank as soon as one exits; the main rank, which finds the same
+# error, must have said it by then. Leaving at once lost the line now and then under plain
+# `accelerate launch` (rank 1 first, rank 0 stopped before it printed).
+OTHER_RANKS_WAIT_S = 10.0
+
+
+def _wait_for_the_main_process() -> None:
+    import time
+
+    time.sleep(OTHER_RANKS_WAIT_S)
+
+
 def _exit_code(code: int) -> int:
     """Leaves at once from a multi-process run, whose process group aborts at exit otherwise."""
     dist = sys.modules.get("torch.distributed")
@@ -176,10 +189,12 @@ def _main(argv: list[str] | None) -> int:
     quiet_known_noise()
     try:
         return COMMANDS[command](rest) or 0
-    except LaunchError as err:  # every rank finds the same: one of them says it
+    except LaunchError as err:  # every rank finds the same: the main one says it
         if _is_main_process():
             _fresh_line()
             print(f"fusedalign {command}: error: {one_line(err)}", file=sys.stderr)
+        else:
+            _wait_for_the_main_process()
         return _exit_code(2)
     except (CLIError, *USER_ERRORS) as err:
         if os.environ.get("FUSEDALIGN_TRACEBACK"):
@@ -193,6 +208,8 @@ def _main(argv: list[str] | None) -> int:
             if os.environ.get("FUSEDALIGN_LAUNCHED"):
                 _fresh_line()
                 print(f"fusedalign {command}: error: {one_line(err)}", file=sys.stderr)
+            else:
+                _wait_for_the_main_process()
             return _exit_code(2)
         where = "" if rank == "0" else f" (rank {rank})"
         _fresh_line()

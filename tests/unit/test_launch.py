@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fusedalign.errors import LaunchError
+from fusedalign.errors import CLIError, LaunchError
 from fusedalign.launch import accelerate_options, check_launch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -204,3 +204,29 @@ def test_build_directory_follows_torch_extensions_dir_as_torch_does(tmp_path, mo
     assert extensions.build_directory() == Path(_get_build_directory(extensions.NAME, verbose=False))
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
     assert extensions.build_directory().parent.parent == Path(__import__("torch").utils.cpp_extension.get_default_build_root())
+
+
+# ----------------------------------------------------- who says a launch's error
+
+
+@pytest.mark.parametrize("error", [LaunchError("a GPU config"), CLIError("--beta must be positive")])
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_other_ranks_wait_for_the_main_one_to_say_an_error_found_before_training(monkeypatch, capsys, error, rank):
+    """Every rank finds the same error before training; the main one prints it. The others wait before
+    exiting: the launcher stops every rank when the first one exits, and rank 0 must have spoken."""
+    import fusedalign.cli as cli
+
+    def failing(rest):
+        raise error
+
+    waits = []
+    monkeypatch.setitem(cli.COMMANDS, "dpo", failing)
+    monkeypatch.setattr(cli, "_wait_for_the_main_process", lambda: waits.append(rank))
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.delenv("FUSEDALIGN_LAUNCHED", raising=False)
+    assert cli.main(["dpo"]) == 2
+    err = capsys.readouterr().err
+    if rank == "0":
+        assert waits == [] and f"fusedalign dpo: error: {error}" in err
+    else:
+        assert waits == ["1"] and err == ""
