@@ -28,7 +28,8 @@ ranks), and under a budget below a prompt group, where each micro-batch is train
 many on each rank, none over the budget); on DDP, packed rows for every other loss type but bnpo
 (a mean per micro-batch, which depends on how a step is split by definition: its packed rows are
 compared with padded ones of the same split in tests/unit/test_grpo_packed.py). Each packed run is
-checked to have trained on shared-prompt rows.
+checked to have trained on shared-prompt rows. The checkpointed packed run once more with each
+layer's MLP over tiles of tokens (`tiled_mlp_tokens`), on every backend.
 """
 
 from __future__ import annotations
@@ -117,8 +118,10 @@ _packed = ({**GRPO, "name": "packed_kl_mu2", "fused": True, "per_device_batch": 
 # normaliser (the step's loss tokens over both ranks).
 _packed_ckpt = ({**_packed[0], "name": "packed_kl_mu2_ckpt", "gradient_checkpointing": True, "loss_type": "dapo"},
                 "dapo_kl_mu2")
-# The same with each layer's MLP over tiles of 16 tokens (tiled_mlp_tokens), each tile checkpointed inside
-# the layer's checkpoint: on ZeRO-3 and FSDP2 every tile's recompute gathers the MLP's weights again.
+# The same with each layer's MLP over tiles of 16 tokens (tiled_mlp_tokens), policy and reference, each tile
+# checkpointed inside the layer's checkpoint. The ranks' rows differ, so they run different numbers of tiles:
+# ZeRO-3 must gather the MLP's weights once for all of them (per tile, both ranks waited forever), FSDP2
+# gathers the whole layer.
 _packed_tiled = ({**_packed_ckpt[0], "name": "packed_tiled_ckpt", "tiled_mlp_tokens": 16}, "dapo_kl_mu2")
 _packed_losses = [({**_packed[0], "name": f"packed_{loss}", "loss_type": loss}, f"{loss}_kl_mu2")
                   for loss in PACKED_LOSSES[1:]]

@@ -1,7 +1,8 @@
 """`--tiled_mlp_tokens`: each decoder layer's MLP over tiles of tokens (fusedalign/tiled_mlp.py).
 
 Training with tiled MLPs against whole ones, on every backend, is in
-tests/distributed/test_grpo_parity.py (the `tiled` scenarios).
+tests/distributed/test_grpo_parity.py (`packed_tiled_ckpt`), and with a teacher in
+tests/unit/test_distillation_trainer.py.
 """
 
 from __future__ import annotations
