@@ -41,7 +41,7 @@ from fusedalign.losses.dpo_metrics import DPOMetrics
 from fusedalign.trainers.policy import load_policy
 from fusedalign.trainers.preference import PreferenceTrainer
 from fusedalign.trainers.preference_inputs import check_models
-from fusedalign.trainers.preference_steps import DPOStepBatch, check_step_batch
+from fusedalign.trainers.preference_steps import DPOStepBatch, check_step_batch, chosen_tokens_per_pair
 from fusedalign.trainers.reference import ROW_KEY, load_reference_model, precompute_reference
 
 
@@ -115,13 +115,8 @@ class DPOTrainer(PreferenceTrainer):
                 for b, r, s in zip(batches, rows, splits)]
         per_pair = None
         if "sft" in self.args.loss_type:
-            totals = torch.zeros(2, dtype=torch.float64, device=self.accelerator.device)
-            for r in rows:
-                lengths = r.lengths()
-                half, valid = lengths.shape[0] // 2, valid_pairs(lengths)
-                totals += torch.stack([(lengths[:half] * valid).sum(), valid.sum()]).to(totals)
-            totals = self.accelerator.reduce(totals, reduction="sum")
-            per_pair = totals[0] / totals[1].clamp(min=1)
+            per_pair = chosen_tokens_per_pair(rows, self.accelerator.device,
+                                              lambda t: self.accelerator.reduce(t, reduction="sum"))
         return [DPOStepBatch(r, ref, per_pair, s) for r, ref, s in zip(rows, refs, splits)]
 
     def _ld_split(self, rows: PackedRows) -> SharedLengthSplit | None:

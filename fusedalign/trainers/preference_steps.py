@@ -15,12 +15,14 @@ padded or packed), the same object the step's reference forward ran on.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
+import torch
 from torch import Tensor
 
 from fusedalign.data.packed_rows import PackedRows
 from fusedalign.data.shared_length import SharedLengthSplit
+from fusedalign.losses import valid_pairs
 from fusedalign.trainers.step_batch import StepBatch, require_parts
 
 
@@ -113,3 +115,16 @@ def check_step_batch(owner: str, inputs: Any, kind: type) -> None:
         raise TypeError(f"{owner}.loss_and_metrics takes a {kind.__name__} (made by prepare_step), "
                         f"got {type(inputs).__name__}")
 
+
+
+def chosen_tokens_per_pair(rows: list[PackedRows], device: torch.device,
+                           reduce_sum: Callable[[Tensor], Tensor]) -> Tensor:
+    """The optimizer step's chosen completion tokens per valid pair, `[]`: every micro-batch's `rows`
+    (B pairs each, chosen first), summed over the ranks by `reduce_sum`; the divisor of DPO's `sft` term."""
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    for r in rows:
+        lengths = r.lengths()
+        half, valid = lengths.shape[0] // 2, valid_pairs(lengths)
+        totals += torch.stack([(lengths[:half] * valid).sum(), valid.sum()]).to(totals)
+    totals = reduce_sum(totals)
+    return totals[0] / totals[1].clamp(min=1)
