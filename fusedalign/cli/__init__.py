@@ -186,6 +186,10 @@ def _main(argv: list[str] | None) -> int:
     from fusedalign.cli.noise import quiet_known_noise
     from fusedalign.errors import USER_ERRORS
 
+    training = sys.modules.get("fusedalign.cli.training")
+    if training is not None:  # a command run earlier in this process trained: this one has not yet
+        training.STATE["training"] = False
+
     quiet_known_noise()
     try:
         return COMMANDS[command](rest) or 0

@@ -222,7 +222,9 @@ def test_other_ranks_wait_for_the_main_one_to_say_an_error_found_before_training
     waits = []
     monkeypatch.setitem(cli.COMMANDS, "dpo", failing)
     monkeypatch.setattr(cli, "_wait_for_the_main_process", lambda: waits.append(rank))
-    monkeypatch.setattr(cli, "_training_started", lambda: False)  # an earlier test in the process may have trained
+    import fusedalign.cli.training as training
+
+    monkeypatch.setitem(training.STATE, "training", True)  # as an earlier command of the process left it
     monkeypatch.setenv("RANK", rank)
     monkeypatch.delenv("FUSEDALIGN_LAUNCHED", raising=False)
     assert cli.main(["dpo"]) == 2
