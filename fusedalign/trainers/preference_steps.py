@@ -116,7 +116,6 @@ def check_step_batch(owner: str, inputs: Any, kind: type) -> None:
                         f"got {type(inputs).__name__}")
 
 
-
 def chosen_tokens_per_pair(rows: list[PackedRows], device: torch.device,
                            reduce_sum: Callable[[Tensor], Tensor]) -> Tensor:
     """The optimizer step's chosen completion tokens per valid pair, `[]`: every micro-batch's `rows`
