@@ -130,15 +130,3 @@ def lazy_runs(root: Path, baseline: list[dict], scenarios: dict[str, list[tuple[
         return done[backend]
 
     return get
-
-
-def uneven_eval(spec: dict, tmp_path: Path) -> tuple[dict, dict]:
-    """Evaluates `spec` on 27 rows: one process x 4 rows, and DDP x 2 ranks x 2 rows.
-
-    27 rows do not split evenly over 2 ranks, so accelerate repeats a row to even them
-    out; the metrics must not count it. Returns (single-process eval, DDP eval).
-    """
-    spec = {**spec, "name": "odd", "fused": True, "per_device_batch": 2, "evaluate": True, "eval_rows": 27, "steps": 1}
-    run_scenarios([{**spec, "per_device_batch": 4}], tmp_path / "single", None)
-    run_scenarios([spec], tmp_path / "ddp", "ddp")
-    return result(tmp_path / "single", "odd")["eval"], result(tmp_path / "ddp", "odd")["eval"]
