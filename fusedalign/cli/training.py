@@ -21,7 +21,7 @@ from fusedalign.errors import CLIError, flag_value
 
 
 # Whether this process got past the checks into training: an error before it is the same on
-# every rank, so only rank 0 reports it (fusedalign.cli.main).
+# every rank, so only rank 0 reports it (fusedalign.cli.main, which lowers it as each command starts).
 STATE = {"training": False}
 
 
@@ -165,7 +165,6 @@ def run_training(command: str, argv: list[str]) -> int:
     """`fusedalign dpo|kto|sft|grpo`: returns the exit code (128 + signal number when interrupted)."""
     from fusedalign.launch import check_launch
 
-    STATE["training"] = False
     check_launch()
     guard = InterruptGuard()
     guard.install()
