@@ -11,7 +11,10 @@ while the work is bound by reading the cache (at batch 512 and 256 slots, 67 MB 
 float32 (base 2), and the values summed with the probabilities cast to the cache's dtype, as
 flash attention does (a float32 cache is multiplied in full float32 precision, not TF32).
 When rows x key/value heads are too few to fill the GPU, each program takes a share of the
-slots (`splits`) and a few tensor ops combine the shares by their maxima and sums.
+slots (`splits`) and a second kernel combines the shares by their maxima and sums; with one
+share a program normalises its rows and writes the output itself, in the query's dtype. Either
+way a call is one or two launches: the tensor ops that combined the shares before (five
+launches, or a division and a cast with one share) cost more than the kernel at small batches.
 
 The mask is the decoding step's boolean one (True: attend; a row's left padding False). Slots
 past the mask's width are not read, as in the grouped sdpa. With `Launch.skip_masked` (the
@@ -63,14 +66,16 @@ DEFAULT = Launch(skip_masked=True)
 
 
 @triton.jit
-def _grouped_decode(Q, K, V, MASK, ACC, MAX, SUM,
-                    s_qb, s_qg, s_qr, s_kb, s_kg, s_ks, s_vb, s_vg, s_vs, s_mb, s_ms,
+def _grouped_decode(Q, K, V, MASK, ACC, MAX, SUM, OUT,
+                    s_qb, s_qg, s_qr, s_kb, s_kg, s_ks, s_vb, s_vg, s_vs, s_mb, s_ms, s_ob, s_oh,
                     kv_heads, group, slots, share, scale_log2,
                     HAS_MASK: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                    PRECISION: tl.constexpr, SKIP_MASKED: tl.constexpr):
-    """One (row, key/value head) x one share of the slots: its partial sum of values [BLOCK_G, D],
-    and the running maximum and sum of the base-2 exponentials [BLOCK_G], written to
-    ACC/MAX/SUM[(row x kv_heads + head), split]."""
+                    PRECISION: tl.constexpr, SKIP_MASKED: tl.constexpr, FINAL: tl.constexpr):
+    """One (row, key/value head) x one share of the slots. With FINAL (one share: every slot) its
+    G query heads' attention, normalised and in OUT's dtype, written to OUT[row, head x G + r];
+    otherwise its partial sum of values [BLOCK_G, D] and the running maximum and sum of the
+    base-2 exponentials [BLOCK_G], written to ACC/MAX/SUM[(row x kv_heads + head), split] for
+    `_combine_shares`."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     splits = tl.num_programs(1)
@@ -102,10 +107,41 @@ def _grouped_decode(Q, K, V, MASK, ACC, MAX, SUM,
         v = tl.load(V + b * s_vb + h * s_vg + cols[:, None] * s_vs + dims[None, :], mask=read[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         top = new_top
-    out = (pid * splits + split) * BLOCK_G + rows
-    tl.store(ACC + out[:, None] * D + dims[None, :], acc)
-    tl.store(MAX + out, top)
-    tl.store(SUM + out, total)
+    if FINAL:
+        heads = h * group + rows
+        tl.store(OUT + b * s_ob + heads[:, None] * s_oh + dims[None, :],
+                 (acc / total[:, None]).to(OUT.dtype.element_ty), mask=rows[:, None] < group)
+    else:
+        out = (pid * splits + split) * BLOCK_G + rows
+        tl.store(ACC + out[:, None] * D + dims[None, :], acc)
+        tl.store(MAX + out, top)
+        tl.store(SUM + out, total)
+
+
+@triton.jit
+def _combine_shares(ACC, MAX, SUM, OUT, s_ob, s_oh, kv_heads, group, splits,
+                    BLOCK_G: tl.constexpr, D: tl.constexpr):
+    """One (row, key/value head): its shares' partial sums weighed by 2^(share's maximum - the
+    largest), normalised by the weighed sums, written to OUT in its dtype (one launch where
+    tensor ops took five)."""
+    pid = tl.program_id(0)
+    b = pid // kv_heads
+    h = pid % kv_heads
+    rows = tl.arange(0, BLOCK_G)
+    dims = tl.arange(0, D)
+    top = tl.full([BLOCK_G], -float("inf"), tl.float32)
+    for split in range(0, splits):
+        top = tl.maximum(top, tl.load(MAX + (pid * splits + split) * BLOCK_G + rows))
+    acc = tl.zeros([BLOCK_G, D], tl.float32)
+    total = tl.zeros([BLOCK_G], tl.float32)
+    for split in range(0, splits):
+        at = (pid * splits + split) * BLOCK_G + rows
+        weight = tl.exp2(tl.load(MAX + at) - top)
+        total += tl.load(SUM + at) * weight
+        acc += tl.load(ACC + at[:, None] * D + dims[None, :]) * weight[:, None]
+    heads = h * group + rows
+    tl.store(OUT + b * s_ob + heads[:, None] * s_oh + dims[None, :],
+             (acc / total[:, None]).to(OUT.dtype.element_ty), mask=rows[:, None] < group)
 
 
 def _programs_wanted(device: torch.device) -> int:
@@ -153,26 +189,29 @@ def grouped_decode(query: Tensor, key: Tensor, value: Tensor, visible: Tensor | 
     q = query.reshape(B, g, group, d)
     splits = splits_for(B, g, S, _programs_wanted(query.device), launch.block_n)
     share = triton.cdiv(triton.cdiv(S, splits), launch.block_n) * launch.block_n
-    acc = torch.empty(B * g, splits, block_g, d, dtype=torch.float32, device=query.device)
-    top = torch.empty(B * g, splits, block_g, dtype=torch.float32, device=query.device)
-    total = torch.empty_like(top)
+    out = torch.empty(B, h, d, dtype=query.dtype, device=query.device)
+    final = splits == 1
+    if final:  # the shares' scratch is neither written nor read
+        acc = top = total = out
+    else:
+        acc = torch.empty(B * g, splits, block_g, d, dtype=torch.float32, device=query.device)
+        top = torch.empty(B * g, splits, block_g, dtype=torch.float32, device=query.device)
+        total = torch.empty_like(top)
     mask = visible if visible is not None else key  # a pointer the kernel never reads without HAS_MASK
     mask_strides = (visible.stride(0), visible.stride(1)) if visible is not None else (0, 0)
     _grouped_decode[(B * g, splits)](
-        q, key, value, mask, acc, top, total,
+        q, key, value, mask, acc, top, total, out,
         q.stride(0), q.stride(1), q.stride(2), key.stride(0), key.stride(1), key.stride(2),
-        value.stride(0), value.stride(1), value.stride(2), *mask_strides,
+        value.stride(0), value.stride(1), value.stride(2), *mask_strides, out.stride(0), out.stride(1),
         g, group, S, share, scale * LOG2E,
         HAS_MASK=visible is not None, BLOCK_G=block_g, BLOCK_N=launch.block_n, D=d,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",  # float32 models: no TF32 rounding
-        SKIP_MASKED=launch.skip_masked and visible is not None,
+        SKIP_MASKED=launch.skip_masked and visible is not None, FINAL=final,
         **{k: v for k, v in (("num_warps", launch.num_warps), ("num_stages", launch.num_stages)) if v is not None})
-    if splits == 1:
-        out = acc[:, 0] / total[:, 0, :, None]
-    else:
-        weight = torch.exp2(top - top.amax(1, keepdim=True))  # [B g, splits, block_g]
-        out = (acc * weight[..., None]).sum(1) / (total * weight).sum(1)[..., None]
-    return out[:, :group].reshape(B, h, 1, d).to(query.dtype)
+    if not final:
+        _combine_shares[(B * g,)](acc, top, total, out, out.stride(0), out.stride(1), g, group, splits,
+                                  BLOCK_G=block_g, D=d)
+    return out.reshape(B, h, 1, d)
 
 
 @decode_attention.register_fake
