@@ -7,8 +7,8 @@ SFT (SGD, fp32, fixed data order) runs `steps` optimizer steps; after step `gene
 callback decodes fixed prompts greedily inside `generation_weights` (counting the
 all-gathers), saves the whole model of that step, and training goes on. DIR/result.json holds
 the per-step losses, each rank's tokens, the all-gather counts (with the context and, under
-ZeRO-3 and FSDP2, without it first), each rank's tokens from StaticDecode's compiled step on
-the same weights, and which wrapper ran;
+ZeRO-3 and FSDP2, without it first), with `compile_step` in the spec each rank's tokens from
+StaticDecode's compiled step on the same weights, and which wrapper ran;
 DIR/step_model/ the weights generation saw, DIR/model/ the final weights.
 """
 
@@ -142,11 +142,13 @@ def main() -> int:
             with counting_all_gathers(gathers), generation_weights(trainer.model_wrapped, acc) as whole:
                 out = gen.generate(whole, prompt_ids, keys)
                 result["inside"] = backend_state(trainer, acc)
-            with generation_weights(trainer.model_wrapped, acc) as whole:
-                # StaticDecode's compiled step (eager steps on the CPU) on the same weights.
-                compiled = _compiled_greedy(spec.get("max_new_tokens", 8))
-                result["compiled_tokens"] = gather_object([compiled.generate(whole, prompt_ids, keys).completion_ids])
-                result["compiled_call"] = {**compiled.last_call, "unique_graphs": _compiled_graphs()}
+            if spec.get("compile_step"):
+                with generation_weights(trainer.model_wrapped, acc) as whole:
+                    # StaticDecode's compiled step (eager steps on the CPU) on the same weights.
+                    compiled = _compiled_greedy(spec.get("max_new_tokens", 8))
+                    result["compiled_tokens"] = gather_object(
+                        [compiled.generate(whole, prompt_ids, keys).completion_ids])
+                    result["compiled_call"] = {**compiled.last_call, "unique_graphs": _compiled_graphs()}
             result["after"] = backend_state(trainer, acc)
             result["tokens"] = gather_object([out.completion_ids])
             result["all_gathers"] = gathers[0]
