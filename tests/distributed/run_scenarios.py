@@ -270,6 +270,7 @@ def run(spec: dict, out_root: str) -> None:
         # --tiled_mlp_tokens: the MLPs tiled in the policy and the frozen model, and the tiles run under
         # their own checkpoint (with gradients) on this rank.
         "tiled_mlps": [_tiled_mlps(trainer.model), _tiled_mlps(frozen)],
+        "tiled_mlps_with_adapters": _tiled_mlps(trainer.model, with_adapters=True),
         "tile_checkpoints": tile_checkpoints[0],
     }
     # Per rank: the forwards the loss ran (a micro-batch in parts runs one per part), and the most tokens
@@ -309,8 +310,12 @@ def _count_tile_checkpoints() -> list[int]:
     return calls
 
 
-def _tiled_mlps(model) -> int:
-    return 0 if model is None else sum(1 for m in model.modules() if getattr(m, "_fusedalign_tile_tokens", None))
+def _tiled_mlps(model, with_adapters: bool = False) -> int:
+    """The tiled MLPs in `model`; with `with_adapters`, those holding a LoRA adapter."""
+    if model is None:
+        return 0
+    return sum(1 for m in model.modules() if getattr(m, "_fusedalign_tile_tokens", None)
+               and (not with_adapters or any("lora_A" in name for name, _ in m.named_modules())))
 
 
 def frozen_model(trainer):

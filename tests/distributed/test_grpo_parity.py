@@ -29,7 +29,8 @@ many on each rank, none over the budget); on DDP, packed rows for every other lo
 (a mean per micro-batch, which depends on how a step is split by definition: its packed rows are
 compared with padded ones of the same split in tests/unit/test_grpo_packed.py). Each packed run is
 checked to have trained on shared-prompt rows. The checkpointed packed run once more with each
-layer's MLP over tiles of tokens (`tiled_mlp_tokens`), on every backend.
+layer's MLP over tiles of tokens (`tiled_mlp_tokens`), on every backend, and on ZeRO-3 with LoRA
+adapters inside the tiled MLPs.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ GRPO = {"trainer": "grpo", "steps": 3}
 LORA = {"peft": True, "lora_target_modules": ["q_proj", "v_proj", "lm_head"], "init_lora_weights": False}
 # Rank 0 generates for the first prompt of each generation batch (rows 0, 2, 4 in 3 steps):
 # all their completions truncated and masked; rank 1's rows keep loss tokens.
+# LoRA inside the MLPs too, for the tiled MLP: the adapters' weights are gathered with the MLP's own.
+LORA_MLP = {**LORA, "lora_target_modules": ["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]}
 MASKED_ROWS = [0, 2, 4]
 PARTS_BUDGET = 21  # the longest prompt (9 tokens) + max_completion_length (12): the least it takes
 MASKED_RANK0 = {"truncate_rows": MASKED_ROWS, "mask_truncated_completions": True, "top_entropy_quantile": 0.5}
@@ -76,6 +79,8 @@ BASELINE = [
     {**GRPO, "name": "grpo_kl_mu2", "fused": False, "per_device_batch": 8, "loss_type": "grpo", "beta": 0.1,
      "num_iterations": 2},
     {**GRPO, "name": "reward_model", "fused": False, "per_device_batch": 8, "reward_model": True},
+    {**GRPO, "name": "lora_mlp_kl_mu2", "fused": False, "per_device_batch": 8, "beta": 0.1, "num_iterations": 2,
+     **LORA_MLP},
     *({**GRPO, "name": f"{loss}_kl_mu2", "fused": False, "per_device_batch": 8, "loss_type": loss, "beta": 0.1,
        "num_iterations": 2} for loss in PACKED_LOSSES),
 ]
@@ -123,6 +128,9 @@ _packed_ckpt = ({**_packed[0], "name": "packed_kl_mu2_ckpt", "gradient_checkpoin
 # ZeRO-3 must gather the MLP's weights once for all of them (per tile, both ranks waited forever), FSDP2
 # gathers the whole layer.
 _packed_tiled = ({**_packed_ckpt[0], "name": "packed_tiled_ckpt", "tiled_mlp_tokens": 16}, "dapo_kl_mu2")
+# The tiled MLPs with LoRA adapters in them (and on lm_head, the reference the policy with its adapters
+# off) under ZeRO-3, whose one gather a call of the MLP must take the adapters' weights along.
+_packed_tiled_lora = ({**_packed_tiled[0], "name": "packed_tiled_lora_ckpt", **LORA_MLP}, "lora_mlp_kl_mu2")
 _packed_losses = [({**_packed[0], "name": f"packed_{loss}", "loss_type": loss}, f"{loss}_kl_mu2")
                   for loss in PACKED_LOSSES[1:]]
 # A budget (21) below a prompt group (4 completions, 24-45 tokens): each rank's step needs 2 to 4 rows for
@@ -138,7 +146,7 @@ SCENARIOS = {
                       *_packed_losses],
     "zero2": _common + [_kl, _packed, _packed_ckpt, _packed_tiled, _parts, _reward_model],
     "zero3": _common + [_kl, _lora, _keyed, _keyed_static, _keyed_fused, _span, _masked_rank0, _resumed, _packed,
-                        _packed_ckpt, _packed_tiled, _parts, _reward_model],
+                        _packed_ckpt, _packed_tiled, _packed_tiled_lora, _parts, _reward_model],
     "fsdp2": _common + [_kl, _lora, _keyed, _keyed_static, _keyed_fused, _packed, _packed_ckpt, _packed_tiled, _parts,
                         _reward_model],
 }
@@ -188,6 +196,9 @@ def test_backend_equals_single_process_unfused(runs, backend, name, want):
         assert result(got, "packed_kl_mu2")["forwards_per_rank"] == [3 * 2, 3 * 2]  # 3 steps x 2 micro-batches
     if name == "packed_tiled_ckpt":  # every MLP tiled, policy and reference, and tiles ran with gradients
         assert result(got, name)["tiled_mlps"] == [2, 2] and result(got, name)["tile_checkpoints"] > 0, result(got, name)
+    if name == "packed_tiled_lora_ckpt":  # the policy's MLPs tiled (the reference is the policy, adapters off)
+        assert result(got, name)["tiled_mlps"] == [2, 0] and result(got, name)["tile_checkpoints"] > 0, result(got, name)
+        assert result(got, name)["tiled_mlps_with_adapters"] == 2, result(got, name)
         assert result(baseline, want)["tiled_mlps"] == [0, 0] and result(baseline, want)["tile_checkpoints"] == 0
     if name == "reward_model":  # the reward model was loaded and prepared on this backend
         assert len(result(got, name)["reward_models_partitioned"]) == 1
