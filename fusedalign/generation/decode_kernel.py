@@ -13,7 +13,7 @@ flash attention does (a float32 cache is multiplied in full float32 precision, n
 When rows x key/value heads are too few to fill the GPU, each program takes a share of the
 slots (`splits`) and a second kernel combines the shares by their maxima and sums; with one
 share a program normalises its rows and writes the output itself, in the query's dtype. Either
-way a call is one or two launches: the tensor ops that combined the shares before (five
+way a call is one or two launches: the tensor ops that combined the shares before (several
 launches, or a division and a cast with one share) cost more than the kernel at small batches.
 
 The mask is the decoding step's boolean one (True: attend; a row's left padding False). Slots
@@ -123,7 +123,7 @@ def _combine_shares(ACC, MAX, SUM, OUT, s_ob, s_oh, kv_heads, group, splits,
                     BLOCK_G: tl.constexpr, D: tl.constexpr):
     """One (row, key/value head): its shares' partial sums weighed by 2^(share's maximum - the
     largest), normalised by the weighed sums, written to OUT in its dtype (one launch where
-    tensor ops took five)."""
+    several tensor ops took one each)."""
     pid = tl.program_id(0)
     b = pid // kv_heads
     h = pid % kv_heads
