@@ -48,10 +48,10 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 GRPO = {"trainer": "grpo", "steps": 3}
 LORA = {"peft": True, "lora_target_modules": ["q_proj", "v_proj", "lm_head"], "init_lora_weights": False}
-# Rank 0 generates for the first prompt of each generation batch (rows 0, 2, 4 in 3 steps):
-# all their completions truncated and masked; rank 1's rows keep loss tokens.
 # LoRA inside the MLPs too, for the tiled MLP: the adapters' weights are gathered with the MLP's own.
 LORA_MLP = {**LORA, "lora_target_modules": ["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]}
+# Rank 0 generates for the first prompt of each generation batch (rows 0, 2, 4 in 3 steps):
+# all their completions truncated and masked; rank 1's rows keep loss tokens.
 MASKED_ROWS = [0, 2, 4]
 PARTS_BUDGET = 21  # the longest prompt (9 tokens) + max_completion_length (12): the least it takes
 MASKED_RANK0 = {"truncate_rows": MASKED_ROWS, "mask_truncated_completions": True, "top_entropy_quantile": 0.5}
