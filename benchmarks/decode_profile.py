@@ -9,6 +9,8 @@ captured as a CUDA graph of its own and replayed --repeats times between two CUD
     to_float    the logits made float32 ([B, V])
     processors  repetition penalty (when on), temperature, top-k, top-p, min-p
     draw        the Gumbel-max draw: uniform noise, its double log, the argmax
+    (with --decode_kernel triton and no filtering flags, also the Triton draw kernel alone, which
+    the step runs instead of the three above: `generation/draw_kernel.py`)
     bookkeeping padding after EOS, the token written, the finished flags, the next position
 
 then the whole step as one graph (what StaticDecode replays) and the whole step eager (what
@@ -153,6 +155,7 @@ def profile_batch(args, model, batch: int, clock: Clock) -> dict[str, float]:
         DecodeState,
         cache_keyword,
         dtype_stable,
+        filters_off,
         gumbel_max,
         process_logits,
     )
@@ -161,7 +164,7 @@ def profile_batch(args, model, batch: int, clock: Clock) -> dict[str, float]:
     vocab = model.config.vocab_size
     decode = StaticDecode(max_new_tokens=args.new_tokens, eos_token_id=vocab - 1, pad_token_id=0,
                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                          repetition_penalty=args.repetition_penalty)
+                          repetition_penalty=args.repetition_penalty, decode_kernel=args.decode_kernel)
     if args.fused_sampling and (why := sampling.usable(model, decode.processing, None)):
         raise SystemExit(f"decode_profile.py: --fused_sampling: the sampling head cannot draw here: {why}")
     post = post_processing_of(model) if args.fused_sampling else None
@@ -175,7 +178,7 @@ def profile_batch(args, model, batch: int, clock: Clock) -> dict[str, float]:
     with torch.no_grad():
         out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1), use_cache=True,
                     logits_to_keep=1, **{keyword: cache})
-        state.take(out.logits[:, -1].float(), first=True)
+        state.take(out.logits[:, -1], first=True)
         state.position.fill_(context)
         buffers = {"logits": None, "z": None, "scores": None, "token": None}
 
@@ -213,7 +216,7 @@ def profile_batch(args, model, batch: int, clock: Clock) -> dict[str, float]:
 
         def whole():
             forward()
-            state.take(buffers["logits"].float())
+            state.take(buffers["logits"])  # with --decode_kernel triton, a sampled draw by its kernel
             stay()
 
         def whole_fused():  # StaticDecode's step with the sampling head (installed around the call, as there)
@@ -230,6 +233,14 @@ def profile_batch(args, model, batch: int, clock: Clock) -> dict[str, float]:
                               window_slots=args.window_slots)._window(context + 1, context + args.new_tokens)
         for name, fn in zip(PARTS, (forward, to_float, processors, draw, bookkeeping)):
             times[name] = clock.graph_ms(fn)
+        if state.kernel_draws and filters_off(decode.processing, vocab):
+            # What the step draws with instead of to_float, processors and draw: one kernel on the logits.
+            def kernel_draw():
+                from fusedalign.generation.draw_kernel import gumbel_draw
+
+                buffers["token"] = gumbel_draw(buffers["logits"], decode.processing["temperature"])
+
+            times["draw, Triton kernel (from the logits)"] = clock.graph_ms(kernel_draw)
         times["step, one graph"] = clock.graph_ms(whole)
         times["step, eager"] = clock.eager_ms(whole)
         compiled_whole = torch.compile(whole, dynamic=True) if args.compile else None

@@ -9,6 +9,7 @@ new graph for them): finished rows stop costing forward passes.
 from __future__ import annotations
 
 import inspect
+import os
 from typing import Any
 
 import torch
@@ -31,6 +32,16 @@ def process_logits(z: Tensor, seen: Tensor | None, *, repetition_penalty: float 
         [B, V] float32 scores; filtered tokens hold the dtype's minimum.
     """
     return filter_logits(penalised(z, seen, repetition_penalty) / temperature, top_k, top_p, min_p)
+
+
+def filters_off(processing: dict, vocab: int) -> bool:
+    """Whether the logits processors of `processing` (StaticDecode's) only divide by the
+    temperature: no repetition penalty, and no top-k, top-p or min-p that would remove a token
+    (`keyed.filter_logits` skips each alike)."""
+    top_k = processing["top_k"]
+    min_p = processing["min_p"]
+    return (processing["repetition_penalty"] == 1.0 and (not top_k or top_k <= 0 or top_k >= vocab)
+            and processing["top_p"] >= 1.0 and (min_p is None or min_p <= 0))
 
 
 def penalised(z: Tensor, seen: Tensor | None, repetition_penalty: float) -> Tensor:
@@ -113,6 +124,10 @@ class DecodeState:
         # The 4D mask the decoding steps hand to the model: [B, 1, 1, L], over every cache slot.
         # The grouped attentions read what their mask covers.
         self.narrows = lm.config._attn_implementation in KERNELS.values()
+        # decode_kernel="triton": a sampled draw by the Triton kernel (draw_kernel.py) too, where
+        # the attention's kernel runs (CUDA, or Triton's interpreter in tests).
+        self.kernel_draws = (getattr(decode, "decode_kernel", "sdpa") == "triton" and decode.do_sample
+                             and decode.sampler is None and triton_runs_on(torch.device(device)))
         visible = torch.zeros((B, 1, 1, L), dtype=torch.bool, device=device)
         visible[:, 0, 0, :P] = prompt_mask.bool()
         self.additive = lm.config._attn_implementation == "eager"
@@ -143,16 +158,24 @@ class DecodeState:
         return self.mask[..., :slots] if slots is not None and self.narrows else self.mask
 
     def take(self, logits: Tensor, first: bool = False) -> None:
-        """Draws the next token from `logits` [B, V] float32 and advances every tensor in place."""
+        """Draws the next token from `logits` [B, V] (the model's dtype; the processors work in
+        float32) and advances every tensor in place."""
         d = self.decode
         logps = None
         if d.sampler is not None:
             # transformers' repetition penalty first (the sampler is the last logits processor
             # under generate), then the sampler's own temperature and filters.
-            logits = penalised(logits, self.seen, d.processing["repetition_penalty"])
+            logits = penalised(logits.float(), self.seen, d.processing["repetition_penalty"])
             token, logps = d.sampler.draw(logits, int(self.index))  # eager only: a host read per token
+        elif self.kernel_draws:
+            from .draw_kernel import gumbel_draw
+
+            if filters_off(d.processing, logits.shape[-1]):  # the kernel divides by the temperature itself
+                token = gumbel_draw(logits, d.processing["temperature"])
+            else:
+                token = gumbel_draw(process_logits(logits.float(), self.seen, **d.processing), 1.0)
         else:
-            scores = process_logits(logits, self.seen, **d.processing)
+            scores = process_logits(logits.float(), self.seen, **d.processing)
             token = gumbel_max(scores) if d.do_sample else row_argmax(scores)
         self.advance(token, logps, first)
 
@@ -171,6 +194,11 @@ class DecodeState:
         if not first:
             self.slot.add_(1)
             self.position.add_(1)
+
+
+def triton_runs_on(device: torch.device) -> bool:
+    """Whether the project's Triton kernels run on `device`: CUDA, or any under Triton's interpreter."""
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def cache_rows_selectable(cache: Any) -> bool:

@@ -107,7 +107,9 @@ class StaticDecode:
             with a KeyedSampler, whose draw reads host-side state every token.
         decode_kernel: what computes a step's grouped attention: "sdpa" (the grouped sdpa,
             `decode_attention.py`) or "triton" (`decode_kernel.py`, on CUDA; opt-in until
-            measured against the grouped sdpa on a GPU).
+            measured against the grouped sdpa on a GPU). With "triton" a sampled token drawn from
+            the logits is drawn by a Triton kernel too (`draw_kernel.py`: the Gumbel noise made
+            inside it, the logits read once in their dtype); greedy decoding is unchanged.
         fuse_projections: each layer's q, k and v projections as one GEMM, and its gate and up
             projections as one, for the length of a call (`generation/fused_projections.py`; models
             of the Llama, Qwen2/3, Mistral and Gemma/Gemma2 forms with plain linear layers; opt-in
@@ -243,7 +245,7 @@ class StaticDecode:
         def forward_and_draw(first: bool = False, **inputs) -> None:
             if head is None:
                 logits = model(use_cache=True, logits_to_keep=1, **{keyword: cache}, **inputs).logits
-                state.take(logits[:, -1].float(), first=first)
+                state.take(logits[:, -1], first=first)
                 return
             if self.sampler is not None:
                 head.position = int(state.index)  # keyed: eager, a host read per token
@@ -304,7 +306,8 @@ class StaticDecode:
         write_back(state, rows, tokens, logprobs)
         self.last_call = {"path": "static", "graph": graphs > 0, "graphs": graphs, "steps": 1 + done,
                           "batch_sizes": sizes, "fused_sampling": head is not None, "compiled": compiled,
-                          "attention": lm.config._attn_implementation}
+                          "attention": lm.config._attn_implementation,
+                          "draw_kernel": state.kernel_draws and head is None}
         del graph, cache
         return tokens, logprobs
 

@@ -251,12 +251,19 @@ def test_cuda_graph_decoding_equals_eager_and_generate(penalty, window, compiled
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("compiled", [False, True])
-def test_cuda_graph_sampling_draws_fresh_samples_of_the_processed_softmax(compiled):
+@pytest.mark.parametrize("compiled,kernel,flags", [
+    (False, "sdpa", dict(temperature=0.8, top_k=40, top_p=0.95)),
+    (True, "sdpa", dict(temperature=0.8, top_k=40, top_p=0.95)),
+    (False, "triton", dict(temperature=0.8, top_k=40, top_p=0.95)),  # the draw kernel on the processed scores
+    (True, "triton", dict(temperature=0.8)),  # the draw kernel on the logits, inside the compiled step
+])
+def test_cuda_graph_sampling_draws_fresh_samples_of_the_processed_softmax(compiled, kernel, flags):
     """A head whose logits are the same vector b at every position, whatever the context: every
     token drawn by a graph replay follows the processed softmax of b, and the replays draw
     fresh noise (no row repeats one token all along). Compiled: inductor's random numbers,
-    replayed in the graph, are fresh at every replay too."""
+    replayed in the graph, are fresh at every replay too. decode_kernel="triton": the draws
+    are the Triton draw kernel's (`draw_kernel.py`), from the processed scores, or from the
+    logits in the model's dtype when only the temperature is on."""
     tok = load_tokenizer("builtin:tiny-qwen2")
     model = _cuda_model()
     vocab = model.config.vocab_size
@@ -267,13 +274,12 @@ def test_cuda_graph_sampling_draws_fresh_samples_of_the_processed_softmax(compil
         head.weight.zero_()
         head.bias.copy_(b)
     model.lm_head = head
-    flags = dict(temperature=0.8, top_k=40, top_p=0.95)
     decode = StaticDecode(max_new_tokens=24, eos_token_id=vocab - 1, pad_token_id=tok.pad_token_id,
-                          compile_step=compiled, **flags)
+                          compile_step=compiled, decode_kernel=kernel, **flags)
     torch.manual_seed(0)
     out = decode.generate(model, [_prompts()[1]] * 1024, _keys(1024))
     assert decode.last_call["graph"] is True and decode.last_call["steps"] == 24
-    assert decode.last_call["compiled"] is compiled
+    assert decode.last_call["compiled"] is compiled and decode.last_call["draw_kernel"] is (kernel == "triton")
     tokens = torch.tensor(out.completion_ids, device="cuda")[:, 2:]  # the replayed steps
     want = process_logits(b[None], None, **flags)[0].double().softmax(-1)
     got = torch.bincount(tokens.flatten(), minlength=vocab).double() / tokens.numel()
