@@ -99,7 +99,8 @@ class GRPOConfig(FusedAlignConfig):
                                  "tokens; with top-k, top-p or min-p the draw stays on the logits."})
     decode_kernel: str = field(
         default="sdpa", metadata={"help": "static only (not in TRL): what computes a decoding step's grouped attention: "
-                                  "sdpa (cuDNN's, the default) or triton (fusedalign's kernel, CUDA)."})
+                                  "sdpa (cuDNN's, the default) or triton (fusedalign's kernel, CUDA; a sampled token "
+                                  "is then drawn by its Triton draw kernel too)."})
     fuse_projections: bool = field(
         default=False, metadata={"help": "static only (not in TRL): while generating, each layer's q/k/v projections "
                                  "as one GEMM and its gate/up projections as another (Llama, Qwen2/3, Mistral, "
