@@ -27,7 +27,14 @@ number of cache slots read, one call of:
                            default launch did before it skipped them; "reads MB" counts every
                            slot, masked or not
 
-and with --triton_configs the Triton kernel under every launch of a grid (slots a program reads
+With --step_like each call is timed as a decoding step makes it: --layers calls in one graph,
+each on a cache of its own (so no layer finds the last one's keys and values in the L2 cache,
+which holds about 50 MB on an H100: at batch 512 and 256 slots one layer reads 67 MB), every row
+seeing the first --written slots and none of the rest of the window (StaticDecode's graph at a
+context of 256 reads a window of 384 slots, 257 written); the time is the graph's over --layers.
+Without it one cache is replayed, its rows hiding left padding of every amount.
+
+And with --triton_configs the Triton kernel under every launch of a grid (slots a program reads
 per iteration 32/64/128, warps 2/4/8, pipeline stages 2/3/4: `triton bn64 w4 s3`), to choose its
 default from measurements; each captured as a CUDA graph and replayed --repeats times between
 two CUDA events (on the CPU: eager wall clock). Columns: milliseconds a call, what the call must
@@ -38,6 +45,7 @@ milliseconds times --layers: its share of one decoding step. At 4099510 (one H20
 Examples:
     python benchmarks/decode_attention.py                        # batch 64 256 512, slots 256 512 2048
     python benchmarks/decode_attention.py --variants triton_grouped --triton_configs --batches 512
+    python benchmarks/decode_attention.py --step_like --slots 384 --variants grouped_sdpa triton_grouped
     python benchmarks/decode_attention.py --device cpu --tiny    # smoke test
 """
 
@@ -73,6 +81,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv_heads", type=int, default=2)
     p.add_argument("--head_dim", type=int, default=64)
     p.add_argument("--layers", type=int, default=24, help="layers of the model, for the share of a step")
+    p.add_argument("--step_like", action="store_true",
+                   help="--layers calls a graph, each on its own cache, rows seeing the first --written slots")
+    p.add_argument("--written", type=int, default=None,
+                   help="with --step_like: the slots every row sees (default two thirds of --slots, plus one)")
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--markdown_out", default=None)
@@ -84,6 +96,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for key, big, small in (("batches", [64, 256, 512], [4]), ("slots", [256, 512, 2048], [16])):
         if getattr(args, key) is None:
             setattr(args, key, small if args.tiny else big)
+    if args.written is not None and not args.step_like:
+        p.error("--written is for --step_like")
     if args.heads % args.kv_heads:
         p.error(f"--heads ({args.heads}) must be a multiple of --kv_heads ({args.kv_heads})")
     return args
@@ -101,6 +115,21 @@ def inputs(args, batch: int, slots: int, device, dtype):
     for row in range(batch):
         visible[row, : row % (slots // 2)] = False
     return (query.to(device, dtype), key.to(device, dtype), value.to(device, dtype), visible.to(device))
+
+
+def step_inputs(args, batch: int, slots: int, device, dtype):
+    """--step_like: query [B, h, 1, d], --layers caches of keys and values [B, g, S, d], visible
+    [B, S] (every row the first --written slots, as a decoding step's window past the context)."""
+    import torch
+
+    g = torch.Generator().manual_seed(args.seed + batch + slots)
+    written = min(slots, args.written if args.written is not None else 2 * slots // 3 + 1)
+    query = torch.randn(batch, args.heads, 1, args.head_dim, generator=g).to(device, dtype)
+    caches = [tuple(torch.randn(batch, args.kv_heads, slots, args.head_dim, generator=g).to(device, dtype)
+                    for _ in range(2)) for _ in range(args.layers)]
+    visible = torch.zeros(batch, slots, dtype=torch.bool, device=device)
+    visible[:, :written] = True
+    return query, caches, visible
 
 
 def reference(query, key, value, visible):
@@ -193,12 +222,20 @@ def main(argv=None) -> int:
     rows = []
     fns = variants(args.variants, device, args.triton_configs)
     clock = Clock(device, args.repeats)
+    how = (f"{args.layers} caches a graph, every row seeing the first "
+           f"{args.written if args.written is not None else 'two thirds + 1 of the'} slots; " if args.step_like
+           else "one cache, left padding of every amount; ")
     title = (f"### one decoding step's attention ({gpu}; {args.heads} query heads, {args.kv_heads} key/value heads "
-             f"of {args.head_dim}, {str(dtype).removeprefix('torch.')}; "
+             f"of {args.head_dim}, {str(dtype).removeprefix('torch.')}; {how}"
              f"{'CUDA graph replays' if device.type == 'cuda' else 'eager, wall clock'}, mean of {args.repeats})")
     for batch in args.batches:
         for slots in args.slots:
-            query, key, value, visible = inputs(args, batch, slots, device, dtype)
+            if args.step_like:
+                query, caches, visible = step_inputs(args, batch, slots, device, dtype)
+                key, value = caches[0]
+            else:
+                query, key, value, visible = inputs(args, batch, slots, device, dtype)
+                caches = [(key, value)]
             additive = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill(~visible, float("-inf"))
             additive = additive[:, None, None, :]
             call = (query, key, value, visible, additive)
@@ -210,7 +247,12 @@ def main(argv=None) -> int:
                         raise RuntimeError("CUDA only (compiled flex attention with one query position is wrong "
                                            "on the CPU; Triton kernels need a GPU)")
                     error = (fn(*call).float() - want).abs().max().item()
-                    ms = clock.graph_ms(lambda: fn(*call))  # its warm-up call compiles
+
+                    def every_cache(fn=fn):  # one call a cache: a layer each with --step_like
+                        for k, v in caches:
+                            fn(query, k, v, visible, additive)
+
+                    ms = clock.graph_ms(every_cache) / len(caches)  # its warm-up call compiles
                     cells = [f"{ms:.4f}", f"{read_mb / ms / 1e3:.2f}", f"{error:.1e}", f"{ms * args.layers:.3f}"]
                 except Exception as exc:  # a variant this torch or device cannot run: say why, go on
                     log(f"{name} at batch {batch}, {slots} slots: {type(exc).__name__}: {exc}")

@@ -49,6 +49,9 @@
 # PARTS=decode_kernels (about 7 minutes: the step at batch 512 with the Triton kernel, compiled, and
 # the kernels that take its time, by name and by kind, for the eager forward and the compiled step;
 # then the same step with each layer's q/k/v and gate/up projections as one GEMM each);
+# PARTS=step_attention (about 1 minute: the attention alone as a step calls it, 24 caches a graph,
+# so none stays in the L2 cache, a window of 384 slots with 257 written; the grouped sdpa and
+# the Triton kernel under each launch of the grid);
 # PARTS=distill_memory (about 3 minutes, with its teacher: ours padding-free with checkpointing, and
 # what is alive at the peak of one more step, by the line that allocated it); PARTS=distill_parts
 # (about 3 minutes: ours padding-free alone, each micro-batch part's divergence sum and tokens by
@@ -194,6 +197,8 @@ part fused_decode 330 python3 benchmarks/decode_profile.py $X --batches $BATCH -
 part decode_kernels 420 python3 benchmarks/decode_profile.py $X --batches $BATCH --repeats 5 --compile --kernels 15 \
     --fuse_projections \
     $TRITON --model_dir "$MODEL" --markdown_out "$OUT/decode_kernels.md"
+part step_attention 150 python3 benchmarks/decode_attention.py $X --step_like --slots 384 --repeats 10 \
+    --variants grouped_sdpa triton_grouped triton_loads_masked --triton_configs --markdown_out "$OUT/step_attention.md"
 part triton_configs 150 python3 benchmarks/decode_attention.py $X --repeats 20 --variants grouped_sdpa triton_grouped triton_loads_masked \
     --triton_configs --slots 256 512 --markdown_out "$OUT/triton_configs.md"
 part triton_generation 200 python3 benchmarks/generation.py $X --batches $BATCH --repeats 1 \

@@ -477,6 +477,34 @@ def test_decode_attention_cpu_smoke_times_every_variant_and_checks_it_against_fl
     assert captured  # the variants were timed as captured graphs
 
 
+def test_decode_attention_step_like_calls_each_layers_cache_once_a_step(tmp_path, monkeypatch):
+    """--step_like: one timed graph calls the variant once on each of --layers distinct caches
+    (no layer finds another's keys in the L2 cache), every row seeing the first --written slots;
+    the time reported is a layer's."""
+    from benchmarks import decode_attention
+
+    seen = []
+    real = decode_attention.variants
+
+    def spying(names, device, triton_configs=False):
+        fns = real(names, device, triton_configs)
+        return {name: (lambda q, k, v, visible, additive, fn=fn: seen.append((k.data_ptr(), visible.clone()))
+                       or fn(q, k, v, visible, additive)) for name, fn in fns.items()}
+
+    monkeypatch.setattr(decode_attention, "variants", spying)
+    clock_calls = []
+    monkeypatch.setattr(decode_attention.Clock, "graph_ms", lambda self, fn: clock_calls.append(fn()) or 6.0)
+    out = tmp_path / "step.md"
+    assert decode_attention.main(["--device", "cpu", "--tiny", "--repeats", "1", "--batches", "3", "--slots", "12",
+                                  "--variants", "matmul", "--step_like", "--layers", "3", "--written", "5",
+                                  "--markdown_out", str(out)]) == 0
+    timed = seen[1:]  # the first call checks the error on the first layer's cache
+    assert len(clock_calls) == 1 and len(timed) == 3 and len({ptr for ptr, _ in timed}) == 3
+    assert all(v.sum(1).tolist() == [5, 5, 5] and v[:, :5].all() for _, v in timed)
+    row = [line.split("|")[1:-1] for line in out.read_text().splitlines() if line.startswith("| 3 |")][0]
+    assert float(row[3]) == 2.0  # 6 ms for the graph of 3 layers
+
+
 def test_generation_benchmark_hands_its_compaction_share_to_static_decode(tmp_path):
     """`--compact_below` reaches StaticDecode: with completions of log-normal lengths, 0.9
     compacts the batch as rows finish, 0 never does."""
