@@ -10,8 +10,10 @@ the compiled step. Here one program holds one (row, chunk of `DRAW_CHUNK` tokens
 chunk's logits (upcast to float32, divided by the temperature as the processors divide them),
 draws its uniforms with Philox (`tl.rand4x`, four a call, keyed by a seed drawn once a call from
 torch's generator plus the row, counted within the row), adds -log(-log(u)) and keeps the
-chunk's maximum and its first index. The row's token is then the first chunk's index holding the row's maximum:
-the argmax over the chunks, as `row_argmax` takes it.
+chunk's maximum and its first index. The row's token is then the index kept by the first chunk
+holding the row's maximum: the argmax over the chunks, as `row_argmax` takes it. In the same
+step at 9ef7678 the kernel took 0.275 ms: bound by the Philox rounds and the two logs of 77.8
+million uniforms, not by reading the 155 MB of bf16 logits.
 
 The seed is a one-element tensor drawn by `torch.randint` in the call, so a CUDA graph that
 captured the call draws a new seed, and new noise, on every replay. A uniform of exactly 0 gives
@@ -47,8 +49,8 @@ def _chunk_gumbel_max(X, SEED, TOP, WHERE, s_xb, vocab, chunks, temperature,
                       CHUNK: tl.constexpr, NOISE: tl.constexpr):
     """One (row, chunk): the maximum of logits / temperature (+ Gumbel noise with NOISE) over the
     chunk's tokens, and the first token that holds it, to TOP/WHERE[row, chunk]. One Philox call
-    gives four uniforms (`tl.rand4x`), one for a token in each quarter of the chunk: a call a
-    token, as `tl.rand` makes, would cost more than reading the logits."""
+    gives four uniforms (`tl.rand4x`), one for a token in each quarter of the chunk: a quarter of
+    the Philox rounds that a call a token (`tl.rand`) would cost."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     QUARTER: tl.constexpr = CHUNK // 4
@@ -98,4 +100,3 @@ def gumbel_draw(logits: Tensor, temperature: float) -> Tensor:
 @gumbel_draw.register_fake
 def _(logits: Tensor, temperature: float) -> Tensor:
     return logits.new_empty(logits.shape[0], dtype=torch.int64)
-
