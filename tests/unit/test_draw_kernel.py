@@ -67,14 +67,14 @@ def interpreter_checks():
     torch.manual_seed(0)
     want = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64)
     where = torch.tensor([1, 7, 18, 31])
-    rows, temperature = 300, 0.25
+    rows, temperature = 200, 0.25
     z = torch.full((rows, 32), torch.finfo(torch.float32).min)
     z[:, where] = (want.log() * temperature).float()
     got = chunk_draw(z, temperature, chunk=16)
     counts = torch.bincount(got, minlength=32).double()
     assert counts.sum() == counts[where].sum() == rows, counts
     tv = 0.5 * (counts[where] / rows - want).abs().sum().item()
-    assert tv < 0.08, (tv, counts[where])
+    assert tv < 0.09, (tv, counts[where])
     # Fresh noise a call: two calls on 32 rows of 16 equally likely tokens rarely agree.
     flat = torch.zeros(32, 16)
     agree = (chunk_draw(flat, 1.0, chunk=16) == chunk_draw(flat, 1.0, chunk=16)).double().mean().item()
