@@ -36,7 +36,8 @@ Without it one cache is replayed, its rows hiding left padding of every amount.
 
 And with --triton_configs the Triton kernel under every launch of a grid (slots a program reads
 per iteration 32/64/128, warps 2/4/8, pipeline stages 2/3/4: `triton bn64 w4 s3`), to choose its
-default from measurements; each captured as a CUDA graph and replayed --repeats times between
+default from measurements; with --split_fills N... the default launch with the slots split over
+more programs (`triton fillN`: N programs a multiprocessor); each captured as a CUDA graph and replayed --repeats times between
 two CUDA events (on the CPU: eager wall clock). Columns: milliseconds a call, what the call must
 read (keys and values, MB) and the rate that makes (TB/s), the largest error against float32 arithmetic, and a call's
 milliseconds times --layers: its share of one decoding step. At 4099510 (one H200, batch 512,
@@ -74,6 +75,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     p.add_argument("--triton_configs", action="store_true",
                    help="also the Triton kernel under each launch of a grid (CUDA only): block of slots, warps, stages")
+    p.add_argument("--split_fills", type=int, nargs="*", default=[],
+                   help="also the kernel's default launch with its slots split to fill N programs a "
+                        "multiprocessor, for each N (CUDA only; the default launch fills 4)")
     p.add_argument("--batches", type=int, nargs="+", default=None, help="default 64 256 512 (--tiny: 4)")
     p.add_argument("--slots", type=int, nargs="+", default=None,
                    help="cache slots read (the context), default 256 512 2048 (--tiny: 16)")
@@ -143,7 +147,7 @@ def reference(query, key, value, visible):
     return scores.softmax(-1) @ v  # [B, h, 1, d]
 
 
-def variants(names, device, triton_configs: bool = False) -> dict:
+def variants(names, device, triton_configs: bool = False, split_fills=()) -> dict:
     """fn(query, key, value, visible, additive) -> [B, h, 1, d] for each variant named; the
     compiled ones are compiled once, with dynamic shapes, for every batch and slot count."""
     import torch
@@ -194,6 +198,8 @@ def variants(names, device, triton_configs: bool = False) -> dict:
     chosen = {name: table[name] for name in names}
     if triton_configs:
         chosen.update(launches(device))
+    if split_fills:
+        chosen.update(fills(device, split_fills))
     return chosen
 
 
@@ -211,6 +217,28 @@ def launches(device) -> dict:
             for bn, w, st in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4))}
 
 
+def fills(device, per_sm) -> dict:
+    """`triton fillN`: the kernel's default launch with its slots split into as many shares as fill
+    N programs a multiprocessor (the default fills 4: one share a row at batch 512 on an H100's
+    132), to see whether more programs in flight read the cache faster (None off CUDA)."""
+    import torch
+
+    from fusedalign.generation import decode_kernel
+
+    def filled(n):
+        def call(q, k, v, visible, additive):
+            wanted = decode_kernel._programs_wanted
+            decode_kernel._programs_wanted = lambda dev: n * decode_kernel._multiprocessors(
+                dev.index if dev.index is not None else torch.cuda.current_device())
+            try:
+                return decode_kernel.decode_attention(q, k, v, visible, q.shape[-1] ** -0.5)
+            finally:
+                decode_kernel._programs_wanted = wanted
+        return call
+
+    return {f"triton fill{n}": filled(n) if device.type == "cuda" else None for n in per_sm}
+
+
 def main(argv=None) -> int:
     import torch
 
@@ -220,7 +248,7 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     rows = []
-    fns = variants(args.variants, device, args.triton_configs)
+    fns = variants(args.variants, device, args.triton_configs, args.split_fills)
     clock = Clock(device, args.repeats)
     how = (f"{args.layers} caches a graph, every row seeing the first "
            f"{args.written if args.written is not None else 'two thirds + 1 of the'} slots; " if args.step_like

@@ -51,7 +51,8 @@
 # then the same step with each layer's q/k/v and gate/up projections as one GEMM each);
 # PARTS=step_attention (about 1 minute: the attention alone as a step calls it, 24 caches a graph,
 # so none stays in the L2 cache, a window of 384 slots with 257 written; the grouped sdpa and
-# the Triton kernel under each launch of the grid);
+# the Triton kernel under each launch of the grid, and with its slots split over 8, 16 and 32
+# programs a multiprocessor);
 # PARTS=distill_memory (about 3 minutes, with its teacher: ours padding-free with checkpointing, and
 # what is alive at the peak of one more step, by the line that allocated it); PARTS=distill_parts
 # (about 3 minutes: ours padding-free alone, each micro-batch part's divergence sum and tokens by
@@ -198,7 +199,8 @@ part decode_kernels 420 python3 benchmarks/decode_profile.py $X --batches $BATCH
     --fuse_projections \
     $TRITON --model_dir "$MODEL" --markdown_out "$OUT/decode_kernels.md"
 part step_attention 150 python3 benchmarks/decode_attention.py $X --step_like --slots 384 --repeats 10 \
-    --variants grouped_sdpa triton_grouped triton_loads_masked --triton_configs --markdown_out "$OUT/step_attention.md"
+    --variants grouped_sdpa triton_grouped triton_loads_masked --triton_configs --split_fills 8 16 32 \
+    --markdown_out "$OUT/step_attention.md"
 part triton_configs 150 python3 benchmarks/decode_attention.py $X --repeats 20 --variants grouped_sdpa triton_grouped triton_loads_masked \
     --triton_configs --slots 256 512 --markdown_out "$OUT/triton_configs.md"
 part triton_generation 200 python3 benchmarks/generation.py $X --batches $BATCH --repeats 1 \

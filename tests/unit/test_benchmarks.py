@@ -456,6 +456,13 @@ def test_decode_attention_triton_configs_add_one_row_per_launch_of_the_grid(tmp_
     assert len(rows) == 1 + 27 and len(set(names)) == 28
     assert "triton bn32 w2 s2" in names and "triton bn128 w8 s4" in names
     assert all("RuntimeError" in row for row in rows[1:]) and "RuntimeError" not in rows[0]
+    # --split_fills: the default launch split to fill N programs a multiprocessor, a row each.
+    assert decode_attention.main(["--device", "cpu", "--tiny", "--repeats", "1", "--batches", "3",
+                                  "--variants", "grouped_sdpa", "--split_fills", "8", "16",
+                                  "--markdown_out", str(out)]) == 0
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| 3 |")]
+    assert [row.split(" | ")[2] for row in rows] == ["grouped_sdpa", "triton fill8", "triton fill16"]
+    assert all("RuntimeError" in row for row in rows[1:])
 
 
 def test_decode_attention_cpu_smoke_times_every_variant_and_checks_it_against_float32(tmp_path, monkeypatch):
@@ -486,8 +493,8 @@ def test_decode_attention_step_like_calls_each_layers_cache_once_a_step(tmp_path
     seen = []
     real = decode_attention.variants
 
-    def spying(names, device, triton_configs=False):
-        fns = real(names, device, triton_configs)
+    def spying(names, device, triton_configs=False, split_fills=()):
+        fns = real(names, device, triton_configs, split_fills)
         return {name: (lambda q, k, v, visible, additive, fn=fn: seen.append((k.data_ptr(), visible.clone()))
                        or fn(q, k, v, visible, additive)) for name, fn in fns.items()}
 
