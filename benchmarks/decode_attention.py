@@ -37,8 +37,8 @@ Without it one cache is replayed, its rows hiding left padding of every amount.
 And with --triton_configs the Triton kernel under every launch of a grid (slots a program reads
 per iteration 32/64/128, warps 2/4/8, pipeline stages 2/3/4: `triton bn64 w4 s3`), to choose its
 default from measurements; with --split_fills N... the default launch with the slots split over
-more programs (`triton fillN`: N programs a multiprocessor); each captured as a CUDA graph and replayed --repeats times between
-two CUDA events (on the CPU: eager wall clock). Columns: milliseconds a call, what the call must
+more programs (`triton fillN`: N programs a multiprocessor); each captured as a CUDA graph and
+replayed --repeats times between two CUDA events (on the CPU: eager wall clock). Columns: milliseconds a call, what the call must
 read (keys and values, MB) and the rate that makes (TB/s), the largest error against float32 arithmetic, and a call's
 milliseconds times --layers: its share of one decoding step. At 4099510 (one H200, batch 512,
 `decode_profile.py --kernels`), cuDNN's kernel for grouped_sdpa took 1.72 ms of a 6.9 ms step.
