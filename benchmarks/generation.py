@@ -19,14 +19,15 @@ batch x 256 tokens), at each batch size:
     ours_fused  ours drawing each token inside the head, slice by slice of the vocabulary
                 (StaticDecode(fused_sampling=True), generation/sampling_head.py)
     ours_compiled  ours with the step compiled by inductor before capture
+                   (StaticDecode(compile_step=True); GRPO's --compile_generation)
     ours_triton    ours with each step's grouped attention in fusedalign's Triton kernel
+                   (StaticDecode(decode_kernel="triton"), generation/decode_kernel.py; a sampled
+                   token is then drawn by generation/draw_kernel.py)
     ours_compiled_triton_fused  the three together: the step compiled, the Triton kernel, the
                    draw inside the head (CUDA only)
-    ours_fastest   the fastest step measured (71009fc: compiled, with the Triton kernel, the draw
-                   from the logits) with each layer's q/k/v and gate/up projections as one GEMM
-                   each (StaticDecode(fuse_projections=True), not yet measured; CUDA only)
-                (StaticDecode(decode_kernel="triton"), generation/decode_kernel.py)
-                (StaticDecode(compile_step=True); GRPO's --compile_generation)
+    ours_fastest   the fastest step measured (9ef7678 on an H100: compiled, the Triton attention
+                   and draw kernels, the draw from the logits) with each layer's q/k/v and gate/up
+                   projections as one GEMM each (StaticDecode(fuse_projections=True); CUDA only)
 
 Each method runs in its own subprocess (compilation caches and allocator state never
 leak between them). Per batch size: one untimed call (it holds compilation and CUDA
