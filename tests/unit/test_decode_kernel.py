@@ -270,7 +270,7 @@ def compiled_checks():
     tok = load_tokenizer("builtin:tiny-qwen2")
     prompts, keys = _prompts(), _keys(len(PROMPT_LENGTHS))
     model = load_model("builtin:tiny-qwen2", attn_implementation="sdpa").eval()
-    kw = dict(max_new_tokens=10, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, do_sample=False,
+    kw = dict(max_new_tokens=5, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, do_sample=False,
               repetition_penalty=1.3)
     want = StaticDecode(**kw).generate(model, prompts, keys)
     for fused in (False, True):  # the draw from the logits, then inside the head
