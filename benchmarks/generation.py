@@ -25,6 +25,10 @@ batch x 256 tokens), at each batch size:
                    token is then drawn by generation/draw_kernel.py)
     ours_compiled_triton_fused  the three together: the step compiled, the Triton kernel, the
                    draw inside the head (CUDA only)
+    ours_fused_projections  ours with each layer's q/k/v and gate/up projections as one GEMM
+                   each (StaticDecode(fuse_projections=True), generation/fused_projections.py)
+    ours_triton_fused_projections  ours_triton and ours_fused_projections together, not compiled:
+                   what the default would be with both on (CUDA only)
     ours_fastest   the fastest step measured (9ef7678 on an H100: compiled, the Triton attention
                    and draw kernels, the draw from the logits) with each layer's q/k/v and gate/up
                    projections as one GEMM each (StaticDecode(fuse_projections=True); CUDA only)
@@ -64,8 +68,10 @@ from benchmarks.harness.env import gpu_info, log, versions, versions_line  # noq
 from benchmarks.harness.tables import fmt, markdown, ratio, write_markdown  # noqa: E402
 
 METHODS = ("dynamic", "dynamic_eos", "static", "continuous", "ours", "ours_eager", "ours_fused", "ours_compiled",
-           "ours_triton", "ours_compiled_triton_fused", "ours_fastest")
-TRITON = ("ours_triton", "ours_compiled_triton_fused", "ours_fastest")  # the methods with the Triton kernel
+           "ours_triton", "ours_compiled_triton_fused", "ours_fused_projections", "ours_triton_fused_projections",
+           "ours_fastest")
+TRITON = ("ours_triton", "ours_compiled_triton_fused", "ours_triton_fused_projections", "ours_fastest")  # Triton kernels
+PROJECTIONS = ("ours_fused_projections", "ours_triton_fused_projections", "ours_fastest")  # projections fused
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -136,7 +142,7 @@ def generation_config(args, method: str, pad: int, eos: int):
                             fused_sampling=method in ("ours_fused", "ours_compiled_triton_fused"),
                             compile_step=method in ("ours_compiled", "ours_compiled_triton_fused", "ours_fastest"),
                             decode_kernel="triton" if method in TRITON else "sdpa",
-                            fuse_projections=method == "ours_fastest",
+                            fuse_projections=method in PROJECTIONS,
                             compact_below=args.compact_below)
 
     options = dict(max_new_tokens=args.new_tokens, do_sample=True, temperature=1.0, top_p=1.0, top_k=0, use_cache=True,

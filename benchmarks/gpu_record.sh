@@ -68,14 +68,16 @@
 # generate as TRL runs it (first: the ratios' base), ours (its fastest step, then its default)
 # and generate with its static cache and compiled decoding) and PARTS=generation_real (at most 9
 # minutes: the same at batch 512 with completions of log-normal lengths, median 300, p95 1,500,
-# at most 2,048 tokens).
+# at most 2,048 tokens); PARTS=generation_defaults (about 4 minutes: generation at batch 256 and
+# 512, 128-token prompts, ours' default step against the same with the Triton kernels, with the
+# projections fused, and both, none compiled, and ours_fastest: which become the defaults).
 set -u
 OUT=${OUT:-$PWD/bench-out}
 MODEL=${MODEL:-/tmp/bench-model}
 TEACHER=${TEACHER:-/tmp/bench-teacher}
 PARTS=${PARTS:-"decode grpo generation"}
 SNAPSHOT="--memory_snapshot"; PROFILE="--profile"  # the CUDA allocator's history, CUDA kernels: GPU only
-if [ "${TINY:-0}" = 1 ]; then X="--device cpu --tiny"; SHAPE="tiny=True, dtype='fp32'"; BATCH=4; BATCHES=4
+if [ "${TINY:-0}" = 1 ]; then X="--device cpu --tiny"; SHAPE="tiny=True, dtype='fp32'"; BATCH=4; BATCHES=4; DEFAULTS_BATCHES=4
      GRPO_REAL="--completion_lengths lognormal:4:7"  # uneven lengths at the tiny scale
      GENERATION_REAL="--completion_lengths lognormal:4:7"
      SNAPSHOT=""; PROFILE=""; LONG_TOKENS=32
@@ -83,6 +85,7 @@ if [ "${TINY:-0}" = 1 ]; then X="--device cpu --tiny"; SHAPE="tiny=True, dtype='
      OFFLOAD="--gradient_checkpointing"  # offload pins host memory, which a CPU-only machine cannot
      TRITON=""  # the Triton kernel runs on CUDA only
 else X=""; SHAPE="tiny=False, dtype='bf16', device='cuda'"; BATCH=512; BATCHES="64 256 512"; GRPO_BUDGET=8192; DISTILL_BUDGET=4096
+     DEFAULTS_BATCHES="256 512"
      # With gradient checkpointing a packed token holds its layers' inputs only (43 KB at this
      # shape, against about 1.7 MB without: 10.3 GiB a step's rise for rows of at most 6,528
      # tokens at db70797): a budget above a micro-batch's 17,408 tokens (8 groups
@@ -152,6 +155,9 @@ part generation_$PROMPT 560 python3 benchmarks/generation.py $X --batches $BATCH
 part generation_real 500 python3 benchmarks/generation.py $X --batches $BATCH --repeats 1 $GENERATION_REAL \
     --methods dynamic_eos ours_fastest ours static --model_dir "$MODEL" --log_dir "$LOGS/generation_real" \
     --markdown_out "$OUT/generation_real.md"
+part generation_defaults 300 python3 benchmarks/generation.py $X --batches $DEFAULTS_BATCHES --repeats 3 \
+    --methods ours ours_triton ours_fused_projections ours_triton_fused_projections ours_fastest --model_dir "$MODEL" \
+    --log_dir "$LOGS/generation_defaults" --markdown_out "$OUT/generation_defaults.md"
 part e2e_dpo 200 python3 benchmarks/e2e_dpo.py $X --lengths 2048 4096 --configs ours_fused_compile trl_liger \
     --model_dir "$MODEL" --log_dir "$LOGS/e2e_dpo" --markdown_out "$OUT/e2e_dpo.md"
 part real_lengths 150 python3 benchmarks/e2e_dpo.py $X --real_lengths ultrafeedback --warmup_steps 2 --timed_steps 2 \
