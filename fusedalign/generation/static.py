@@ -113,8 +113,8 @@ class StaticDecode:
         fuse_projections: each layer's q, k and v projections as one GEMM, and its gate and up
             projections as one, for the length of a call (`generation/fused_projections.py`; models
             of the Llama, Qwen2/3, Mistral and Gemma/Gemma2 forms with plain linear layers; opt-in:
-            0.28 ms off the compiled step at batch 512 on an H100, 9ef7678, generation with it not
-            yet measured).
+            0.28 ms off the compiled step at batch 512 on an H100, 9ef7678; generation with it,
+            compiled, with both Triton kernels, 2.05x the default loop at batch 512, 5785009).
     """
 
     def __init__(self, *, max_new_tokens: int, eos_token_id: int | Sequence[int], pad_token_id: int,
