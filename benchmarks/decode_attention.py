@@ -21,8 +21,8 @@ number of cache slots read, one call of:
                            query heads as one block against its key/value head, the slots
                            split over programs when the batch is small (CUDA only; its CPU
                            check runs under Triton's interpreter in the tests)
-    triton_loads_masked    the same kernel with Launch(skip_masked=False): the masked slots'
-                           keys and values are loaded too (each row's left padding here, a
+    triton_loads_masked    the same kernel, its default launch with skip_masked=False: the
+                           masked slots' keys and values are loaded too (each row's left padding here, a
                            decoding step's window of unwritten slots in StaticDecode), as the
                            default launch did before it skipped them; "reads MB" counts every
                            slot, masked or not
@@ -180,9 +180,9 @@ def variants(names, device, triton_configs: bool = False, split_fills=()) -> dic
         return decode_attention(query, key, value, visible, query.shape[-1] ** -0.5)
 
     def triton_loads_masked(query, key, value, visible, additive):
-        from fusedalign.generation.decode_kernel import Launch, grouped_decode
+        from fusedalign.generation.decode_kernel import DEFAULT, grouped_decode
 
-        return grouped_decode(query, key, value, visible, query.shape[-1] ** -0.5, Launch(skip_masked=False))
+        return grouped_decode(query, key, value, visible, query.shape[-1] ** -0.5, DEFAULT._replace(skip_masked=False))
 
     table = {
         "grouped_sdpa": lambda q, k, v, visible, additive: grouped(q, k, v, visible[:, None, None, :]),

@@ -97,7 +97,7 @@ def _grouped_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
 def _kernel_takes(query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, dropout: float) -> bool:
     """Whether the Triton kernel computes this grouped step: a boolean mask (one for every head) or
     none, no dropout, a CUDA tensor (or Triton's interpreter, in tests), shapes it takes."""
-    if dropout != 0.0 or not (query.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+    if dropout != 0.0 or not triton_runs_on(query.device):
         return False
     if attention_mask is not None and (attention_mask.dtype != torch.bool or attention_mask.dim() != 4
                                        or attention_mask.shape[2] != 1):
@@ -105,6 +105,11 @@ def _kernel_takes(query: Tensor, key: Tensor, value: Tensor, attention_mask: Ten
     from fusedalign.generation import decode_kernel
 
     return decode_kernel.supports(query, key, value) is None
+
+
+def triton_runs_on(device: torch.device) -> bool:
+    """Whether the project's Triton kernels run on `device`: CUDA, or any under Triton's interpreter."""
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def register() -> None:

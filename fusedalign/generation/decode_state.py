@@ -9,13 +9,12 @@ new graph for them): finished rows stop costing forward passes.
 from __future__ import annotations
 
 import inspect
-import os
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from .decode_attention import KERNELS
+from .decode_attention import KERNELS, triton_runs_on
 from .keyed import filter_logits
 
 
@@ -194,11 +193,6 @@ class DecodeState:
         if not first:
             self.slot.add_(1)
             self.position.add_(1)
-
-
-def triton_runs_on(device: torch.device) -> bool:
-    """Whether the project's Triton kernels run on `device`: CUDA, or any under Triton's interpreter."""
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def cache_rows_selectable(cache: Any) -> bool:
