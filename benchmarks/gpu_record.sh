@@ -71,9 +71,16 @@
 # at most 2,048 tokens); PARTS=generation_defaults (about 4 minutes: generation at batch 256 and
 # 512, 128-token prompts, ours' default step against the same with the Triton kernels, with the
 # projections fused, and both, none compiled, and ours_fastest: which become the defaults).
+# PARTS=baseline_grpo and PARTS=baseline_generation run an earlier commit's own benchmark
+# scripts, from its tree unpacked at $BASELINE (default /tmp/baseline; `git archive COMMIT`
+# carried and unpacked there), on this run's model: its default GRPO step at 64 x 8 x 256 (about
+# 1.5 minutes) and its default generation at batch 512 (about 1 minute). Beside PARTS=fast_grpo
+# and PARTS=generation_defaults in the same command they give "today's" speed and this tree's
+# on one machine, where the two were measured on different machines before.
 set -u
 OUT=${OUT:-$PWD/bench-out}
 MODEL=${MODEL:-/tmp/bench-model}
+BASELINE=${BASELINE:-/tmp/baseline}  # an earlier commit's tree, for the baseline_* parts
 TEACHER=${TEACHER:-/tmp/bench-teacher}
 PARTS=${PARTS:-"decode grpo generation"}
 SNAPSHOT="--memory_snapshot"; PROFILE="--profile"  # the CUDA allocator's history, CUDA kernels: GPU only
@@ -155,6 +162,10 @@ part generation_$PROMPT 560 python3 benchmarks/generation.py $X --batches $BATCH
 part generation_real 500 python3 benchmarks/generation.py $X --batches $BATCH --repeats 1 $GENERATION_REAL \
     --methods dynamic_eos ours_fastest ours static --model_dir "$MODEL" --log_dir "$LOGS/generation_real" \
     --markdown_out "$OUT/generation_real.md"
+part baseline_grpo 200 python3 "$BASELINE/benchmarks/e2e_grpo.py" $X --configs ours --warmup_steps 1 --timed_steps 2 \
+    --model_dir "$MODEL" --log_dir "$LOGS/baseline_grpo" --markdown_out "$OUT/baseline_grpo.md"
+part baseline_generation 150 python3 "$BASELINE/benchmarks/generation.py" $X --batches $BATCH --repeats 3 \
+    --methods ours --model_dir "$MODEL" --log_dir "$LOGS/baseline_generation" --markdown_out "$OUT/baseline_generation.md"
 part generation_defaults 300 python3 benchmarks/generation.py $X --batches $DEFAULTS_BATCHES --repeats 3 \
     --methods ours ours_triton ours_fused_projections ours_triton_fused_projections ours_fastest --model_dir "$MODEL" \
     --log_dir "$LOGS/generation_defaults" --markdown_out "$OUT/generation_defaults.md"

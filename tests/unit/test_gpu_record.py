@@ -26,7 +26,8 @@ def _parts() -> list[str]:
 
 def _commands(tmp_path, tiny: bool) -> dict[str, list[str]]:
     env = dict(os.environ, DRY="1", PARTS=" ".join(_parts()), OUT=str(tmp_path / "out"),
-               MODEL=str(tmp_path / "model"), TEACHER=str(tmp_path / "teacher"), TINY="1" if tiny else "0")
+               MODEL=str(tmp_path / "model"), TEACHER=str(tmp_path / "teacher"), TINY="1" if tiny else "0",
+               BASELINE=str(ROOT))  # the baseline_* parts' earlier tree: here this one's scripts parse their flags
     done = subprocess.run(["bash", str(SCRIPT)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     lines = [line for line in done.stdout.splitlines() if line.startswith("DRY ")]
@@ -49,6 +50,9 @@ def test_every_part_is_a_command_its_script_accepts(tmp_path, tiny):
             compile(argv[2], f"<{name}>", "exec")
             continue
         script = Path(argv[1])
+        if script.is_absolute():  # a baseline_* part: $BASELINE/benchmarks/...
+            assert name.startswith("baseline_"), (name, argv)
+            script = script.relative_to(ROOT)
         assert script.parent == Path("benchmarks") and (ROOT / script).exists(), (name, argv)
         module = importlib.import_module(f"benchmarks.{script.stem}")
         flags = argv[2:] + ([] if "--device" in argv else ["--device", "cuda"])  # what the GPU run defaults to
