@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-BLOCK_N = 64  # slots a program reads per iteration
+BLOCK_N = 64  # slots a program reads per iteration in a Launch that names none (DEFAULT reads 32)
 FILL_PROGRAMS = 512  # programs to fill off CUDA (the interpreter): split the slots until there are this many
 LOG2E = 1.4426950408889634
 
