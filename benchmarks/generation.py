@@ -13,8 +13,12 @@ batch x 256 tokens), at each batch size:
                 installed transformers has it
     dynamic_eos dynamic with an end-of-sequence id (the vocabulary's last, about never drawn):
                 what a trainer runs, generate then reads the finished rows back every token
-    ours        fusedalign.generation.StaticDecode (GRPO's default generator on CUDA): a static
-                cache, every token one CUDA graph replay, the same end-of-sequence id
+    ours        fusedalign.generation.StaticDecode as GRPO runs it by default on CUDA: a static
+                cache, every token one CUDA graph replay, the same end-of-sequence id; since the
+                commit after bda33d2 its attention and sampled draw are the Triton kernels on CUDA
+                (decode_kernel="auto"), before that the grouped sdpa
+    ours_sdpa   ours with the grouped sdpa (cuDNN's) as the step's attention, the draw in torch
+                (StaticDecode(decode_kernel="sdpa"): the default loop before the commit after bda33d2)
     ours_eager  the same loop without the CUDA graph
     ours_fused  ours drawing each token inside the head, slice by slice of the vocabulary
                 (StaticDecode(fused_sampling=True), generation/sampling_head.py)
@@ -25,8 +29,9 @@ batch x 256 tokens), at each batch size:
                    token is then drawn by generation/draw_kernel.py)
     ours_compiled_triton_fused  the three together: the step compiled, the Triton kernel, the
                    draw inside the head (CUDA only)
-    ours_fused_projections  ours with each layer's q/k/v and gate/up projections as one GEMM
-                   each (StaticDecode(fuse_projections=True), generation/fused_projections.py)
+    ours_fused_projections  ours (the default kernels) with each layer's q/k/v and gate/up
+                   projections as one GEMM each (StaticDecode(fuse_projections=True),
+                   generation/fused_projections.py)
     ours_triton_fused_projections  ours_triton and ours_fused_projections together, not compiled:
                    what the default would be with both on (CUDA only)
     ours_fastest   the fastest step measured (9ef7678 on an H100: compiled, the Triton attention
@@ -67,8 +72,8 @@ from benchmarks.harness import runner  # noqa: E402
 from benchmarks.harness.env import gpu_info, log, versions, versions_line  # noqa: E402
 from benchmarks.harness.tables import fmt, markdown, ratio, write_markdown  # noqa: E402
 
-METHODS = ("dynamic", "dynamic_eos", "static", "continuous", "ours", "ours_eager", "ours_fused", "ours_compiled",
-           "ours_triton", "ours_compiled_triton_fused", "ours_fused_projections", "ours_triton_fused_projections",
+METHODS = ("dynamic", "dynamic_eos", "static", "continuous", "ours", "ours_sdpa", "ours_eager", "ours_fused",
+           "ours_compiled", "ours_triton", "ours_compiled_triton_fused", "ours_fused_projections", "ours_triton_fused_projections",
            "ours_fastest")
 TRITON = ("ours_triton", "ours_compiled_triton_fused", "ours_triton_fused_projections", "ours_fastest")  # Triton kernels
 PROJECTIONS = ("ours_fused_projections", "ours_triton_fused_projections", "ours_fastest")  # projections fused
@@ -141,7 +146,7 @@ def generation_config(args, method: str, pad: int, eos: int):
                             top_p=1.0, top_k=0, cuda_graphs=method != "ours_eager",
                             fused_sampling=method in ("ours_fused", "ours_compiled_triton_fused"),
                             compile_step=method in ("ours_compiled", "ours_compiled_triton_fused", "ours_fastest"),
-                            decode_kernel="triton" if method in TRITON else "sdpa",
+                            decode_kernel="triton" if method in TRITON else "sdpa" if method == "ours_sdpa" else "auto",
                             fuse_projections=method in PROJECTIONS,
                             compact_below=args.compact_below)
 

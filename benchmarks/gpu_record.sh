@@ -68,9 +68,9 @@
 # generate as TRL runs it (first: the ratios' base), ours (its fastest step, then its default)
 # and generate with its static cache and compiled decoding) and PARTS=generation_real (at most 9
 # minutes: the same at batch 512 with completions of log-normal lengths, median 300, p95 1,500,
-# at most 2,048 tokens); PARTS=generation_defaults (about 4 minutes: generation at batch 256 and
-# 512, 128-token prompts, ours' default step against the same with the Triton kernels, with the
-# projections fused, and both, none compiled, and ours_fastest: which become the defaults).
+# at most 2,048 tokens); PARTS=generation_defaults (about 3.5 minutes: generation at batch 256
+# and 512, 128-token prompts, ours' default step (the Triton kernels on CUDA since the commit
+# after bda33d2) against the grouped sdpa's, with the projections fused, and ours_fastest).
 # PARTS=baseline_grpo and PARTS=baseline_generation run an earlier commit's own benchmark
 # scripts, from its tree unpacked at $BASELINE (default /tmp/baseline; `git archive COMMIT`
 # carried and unpacked there), on this run's model: its default GRPO step at 64 x 8 x 256 (about
@@ -167,7 +167,7 @@ part baseline_grpo 200 python3 "$BASELINE/benchmarks/e2e_grpo.py" $X --configs o
 part baseline_generation 150 python3 "$BASELINE/benchmarks/generation.py" $X --batches $BATCH --repeats 3 \
     --methods ours --model_dir "$MODEL" --log_dir "$LOGS/baseline_generation" --markdown_out "$OUT/baseline_generation.md"
 part generation_defaults 300 python3 benchmarks/generation.py $X --batches $DEFAULTS_BATCHES --repeats 3 \
-    --methods ours ours_triton ours_fused_projections ours_triton_fused_projections ours_fastest --model_dir "$MODEL" \
+    --methods ours_sdpa ours ours_fused_projections ours_fastest --model_dir "$MODEL" \
     --log_dir "$LOGS/generation_defaults" --markdown_out "$OUT/generation_defaults.md"
 part e2e_dpo 200 python3 benchmarks/e2e_dpo.py $X --lengths 2048 4096 --configs ours_fused_compile trl_liger \
     --model_dir "$MODEL" --log_dir "$LOGS/e2e_dpo" --markdown_out "$OUT/e2e_dpo.md"

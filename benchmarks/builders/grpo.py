@@ -32,7 +32,7 @@ class GRPORun:
     padding_free: bool = False         # ours: packed rows of whole completions up to --max_tokens_per_batch
     share_prompt: bool = False         # ours, with padding_free: each group's prompt once
     fused_sampling: bool = False       # ours (static): the draw inside the head's forward
-    decode_kernel: str = "sdpa"        # ours (static): the decoding step's grouped attention
+    decode_kernel: str = "auto"        # ours (static): the decoding step's grouped attention (auto: Triton on CUDA)
     fuse_projections: bool = False     # ours (static): q/k/v and gate/up as one GEMM each while decoding
     micro_batch: int | None = None     # per_device_train_batch_size for this configuration (None: the flag's)
     generation_max_rows: int = 0       # ours: completions decoded at once (0: the whole generation batch)

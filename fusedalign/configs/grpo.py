@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from fusedalign.configs.common import FusedAlignConfig, _init_kwargs, check_choice
 from fusedalign.configs.packed import GROUPS_BUDGET_HELP, PADDING_FREE_HELP, check_packed_batching
 from fusedalign.distributed import check_compile_generation_supported
-from fusedalign.generation.decode_attention import KERNELS
+from fusedalign.generation.decode_attention import KERNEL_CHOICES
 from fusedalign.losses.grpo_advantages import AGGREGATIONS, SCALE_REWARDS
 from fusedalign.losses.grpo_policy import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, GRPOOptions
 
@@ -98,9 +98,10 @@ class GRPOConfig(FusedAlignConfig):
                                  "a slice of the vocabulary at a time, instead of from the [B, V] logits: the same "
                                  "tokens; with top-k, top-p or min-p the draw stays on the logits."})
     decode_kernel: str = field(
-        default="sdpa", metadata={"help": "static only (not in TRL): what computes a decoding step's grouped attention: "
-                                  "sdpa (cuDNN's, the default) or triton (fusedalign's kernel, CUDA; a sampled token "
-                                  "is then drawn by its Triton draw kernel too)."})
+        default="auto", metadata={"help": "static loop only (not in TRL): what computes a decoding step's grouped "
+                                  "attention: triton (fusedalign's kernel, CUDA; a sampled token is then drawn by its "
+                                  "Triton draw kernel too), sdpa (cuDNN's), or auto (the default: triton on CUDA where "
+                                  "Triton is installed, else sdpa)."})
     fuse_projections: bool = field(
         default=False, metadata={"help": "static only (not in TRL): while generating, each layer's q/k/v projections "
                                  "as one GEMM and its gate/up projections as another (Llama, Qwen2/3, Mistral, "
@@ -173,9 +174,9 @@ class GRPOConfig(FusedAlignConfig):
         if self.replay_completions is not None and self.keyed_sampling:
             raise ValueError("--replay_completions replays recorded completions; it cannot be combined with "
                              "--keyed_sampling (which samples new ones)")
-        check_choice("decode_kernel", self.decode_kernel, tuple(KERNELS))
+        check_choice("decode_kernel", self.decode_kernel, KERNEL_CHOICES)
         static_only = [flag for flag, on in (("fused_sampling", self.fused_sampling),
-                                             ("decode_kernel", self.decode_kernel != "sdpa"),
+                                             ("decode_kernel", self.decode_kernel != "auto"),
                                              ("fuse_projections", self.fuse_projections)) if on]
         if static_only and self.resolved_generation_backend == "generate":
             why = ("--generation_backend generate" if self.generation_backend == "generate"

@@ -36,6 +36,7 @@ query rows by 64, and the kernel holds them as one block of 16.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 from typing import Any, Iterator
 
@@ -46,6 +47,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 GROUPED = "fusedalign_grouped_sdpa"
 GROUPED_TRITON = "fusedalign_grouped_triton"
 KERNELS = {"sdpa": GROUPED, "triton": GROUPED_TRITON}  # StaticDecode's decode_kernel -> implementation
+KERNEL_CHOICES = ("auto", *KERNELS)  # what StaticDecode and --decode_kernel accept
 SWITCHED = ("sdpa", "flex_attention")
 
 
@@ -105,6 +107,18 @@ def _kernel_takes(query: Tensor, key: Tensor, value: Tensor, attention_mask: Ten
     from fusedalign.generation import decode_kernel
 
     return decode_kernel.supports(query, key, value) is None
+
+
+def kernel_for(requested: str, device: torch.device) -> str:
+    """The key of `KERNELS` a generation on `device` uses when `requested` (one of `KERNEL_CHOICES`)
+    is asked for: "auto" is the Triton kernels on CUDA where Triton is installed (1.32x the
+    grouped sdpa's tokens/s at batch 512, 1.19x at 256, the same peak, on an H100 at bda33d2)
+    and the grouped sdpa elsewhere; "sdpa" and "triton" are themselves."""
+    if requested != "auto":
+        return requested
+    if torch.device(device).type == "cuda" and importlib.util.find_spec("triton") is not None:
+        return "triton"
+    return "sdpa"
 
 
 def triton_runs_on(device: torch.device) -> bool:

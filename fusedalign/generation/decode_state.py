@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .decode_attention import KERNELS, triton_runs_on
+from .decode_attention import KERNELS, kernel_for, triton_runs_on
 from .keyed import filter_logits
 
 
@@ -123,9 +123,10 @@ class DecodeState:
         # The 4D mask the decoding steps hand to the model: [B, 1, 1, L], over every cache slot.
         # The grouped attentions read what their mask covers.
         self.narrows = lm.config._attn_implementation in KERNELS.values()
-        # decode_kernel="triton": a sampled draw by the Triton kernel (draw_kernel.py) too, where
-        # the attention's kernel runs (CUDA, or Triton's interpreter in tests).
-        self.kernel_draws = (getattr(decode, "decode_kernel", "sdpa") == "triton" and decode.do_sample
+        # decode_kernel "triton" (or "auto" on CUDA): a sampled draw by the Triton kernel
+        # (draw_kernel.py) too, where the attention's kernel runs (CUDA, or Triton's interpreter in tests).
+        kernel = kernel_for(getattr(decode, "decode_kernel", "sdpa"), torch.device(device))
+        self.kernel_draws = (kernel == "triton" and decode.do_sample
                              and decode.sampler is None and triton_runs_on(torch.device(device)))
         visible = torch.zeros((B, 1, 1, L), dtype=torch.bool, device=device)
         visible[:, 0, 0, :P] = prompt_mask.bool()

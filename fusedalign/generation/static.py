@@ -67,7 +67,8 @@ from .decode_state import (
     write_back,
 )
 from . import sampling_head as sampling
-from .decode_attention import GROUPED, GROUPED_TRITON, KERNELS, decoding_attention, decoding_implementation
+from .decode_attention import (GROUPED, GROUPED_TRITON, KERNEL_CHOICES, decoding_attention, decoding_implementation,
+                               kernel_for)
 from .fused_projections import fused_projections
 from .keyed import KeyedSampler
 
@@ -106,15 +107,18 @@ class StaticDecode:
             captured as a graph. The first call compiles (once per process: dynamic shapes). Not
             with a KeyedSampler, whose draw reads host-side state every token.
         decode_kernel: what computes a step's grouped attention: "sdpa" (the grouped sdpa,
-            `decode_attention.py`) or "triton" (`decode_kernel.py`, on CUDA; opt-in until
-            measured against the grouped sdpa on a GPU). With "triton" a sampled token drawn from
+            `decode_attention.py`), "triton" (`decode_kernel.py`, on CUDA) or "auto" (the
+            default: "triton" on CUDA where Triton is installed, "sdpa" elsewhere;
+            `decode_attention.kernel_for`; uncompiled, 1.32x the grouped sdpa's tokens/s at batch
+            512 on an H100, the same peak, bda33d2). With "triton" a sampled token drawn from
             the logits is drawn by a Triton kernel too (`draw_kernel.py`: the Gumbel noise made
             inside it, the logits read once in their dtype); greedy decoding is unchanged.
         fuse_projections: each layer's q, k and v projections as one GEMM, and its gate and up
             projections as one, for the length of a call (`generation/fused_projections.py`; models
             of the Llama, Qwen2/3, Mistral and Gemma/Gemma2 forms with plain linear layers; opt-in:
-            0.28 ms off the compiled step at batch 512 on an H100, 9ef7678; generation with it,
-            compiled, with both Triton kernels, 2.05x the default loop at batch 512, 5785009).
+            on an H100 at bda33d2 it adds 1.2% to uncompiled generation at batch 512 for 1.0 GiB
+            more at the peak (the fused weights are copies for the call), and 7.4% to GRPO's
+            completions/s with the step compiled and the Triton kernels).
     """
 
     def __init__(self, *, max_new_tokens: int, eos_token_id: int | Sequence[int], pad_token_id: int,
@@ -122,11 +126,11 @@ class StaticDecode:
                  top_p: float = 1.0, top_k: int = 0, min_p: float | None = None, repetition_penalty: float = 1.0,
                  sampler: KeyedSampler | None = None, cuda_graphs: bool = True, check_every: int = 16,
                  compact_below: float = 0.5, fused_sampling: bool = False, window_slots: int = 256,
-                 compile_step: bool = False, decode_kernel: str = "sdpa", fuse_projections: bool = False):
+                 compile_step: bool = False, decode_kernel: str = "auto", fuse_projections: bool = False):
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
-        if decode_kernel not in KERNELS:
-            raise ValueError(f"decode_kernel must be one of {sorted(KERNELS)}, got {decode_kernel!r}")
+        if decode_kernel not in KERNEL_CHOICES:
+            raise ValueError(f"decode_kernel must be one of {list(KERNEL_CHOICES)}, got {decode_kernel!r}")
         if decode_kernel == "triton" and importlib.util.find_spec("triton") is None:
             raise ValueError("decode_kernel='triton' needs Triton, which is not installed; use decode_kernel='sdpa'")
         self.decode_kernel = decode_kernel
@@ -165,13 +169,13 @@ class StaticDecode:
                    repetition_penalty=args.repetition_penalty, sampler=sampler,
                    compile_step=getattr(args, "compile_generation", False),
                    fused_sampling=getattr(args, "fused_sampling", False),
-                   decode_kernel=getattr(args, "decode_kernel", "sdpa"),
+                   decode_kernel=getattr(args, "decode_kernel", "auto"),
                    fuse_projections=getattr(args, "fuse_projections", False))
 
     def unsupported(self, model: nn.Module) -> str | None:
         """Why this loop cannot decode `model` (None: it can)."""
         lm = unwrap_model(model)
-        implementation = decoding_implementation(lm, self.decode_kernel)
+        implementation = decoding_implementation(lm, self.kernel_on(lm))
         if implementation not in MASK_IMPLEMENTATIONS:
             return f"attention implementation {implementation!r} (the loop needs one of {MASK_IMPLEMENTATIONS})"
         if any(w is not None for w in layer_windows(lm).values()):
@@ -195,7 +199,7 @@ class StaticDecode:
         # The sampling head is installed once for the whole call, outside the step: installing it
         # inside would swap a module's forward in the compiled step, a graph break.
         head = None if why_not_fused else self._sampling_state(post_processing_of(lm))
-        with torch.no_grad(), decoding_attention(lm, self.decode_kernel), \
+        with torch.no_grad(), decoding_attention(lm, self.kernel_on(lm)), \
                 sampling.sampling_head(lm, head) if head is not None else contextlib.nullcontext(), \
                 fused_projections(lm) if self.fuse_projections else contextlib.nullcontext() as fused:
             tokens, logprobs = self._decode(model, input_ids, attention_mask, row_keys, step, head)
@@ -207,6 +211,11 @@ class StaticDecode:
             rows = logprobs.cpu().tolist()
             logprobs = [row[: len(c)] for row, c in zip(rows, completions)]
         return GenerationOutput(completions, truncated, logprobs)
+
+    def kernel_on(self, lm: nn.Module) -> str:
+        """The grouped attention's kernel (a key of `KERNELS`) a generation by `lm` uses: `decode_kernel`,
+        "auto" made "triton" or "sdpa" for the device of `lm`'s weights."""
+        return kernel_for(self.decode_kernel, next(lm.parameters()).device)
 
     # ------------------------------------------------------------------ the loop
 
@@ -307,7 +316,7 @@ class StaticDecode:
         write_back(state, rows, tokens, logprobs)
         self.last_call = {"path": "static", "graph": graphs > 0, "graphs": graphs, "steps": 1 + done,
                           "batch_sizes": sizes, "fused_sampling": head is not None, "compiled": compiled,
-                          "attention": lm.config._attn_implementation,
+                          "attention": lm.config._attn_implementation, "decode_kernel": self.kernel_on(lm),
                           "draw_kernel": state.kernel_draws and head is None}
         del graph, cache
         return tokens, logprobs

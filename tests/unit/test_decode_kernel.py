@@ -183,6 +183,40 @@ def test_static_decode_refuses_an_unknown_kernel():
         StaticDecode(max_new_tokens=4, eos_token_id=0, pad_token_id=0, decode_kernel="cudnn")
 
 
+def test_auto_is_the_triton_kernels_on_cuda_and_the_grouped_sdpa_elsewhere(monkeypatch):
+    """decode_kernel="auto", StaticDecode's and --decode_kernel's default: "triton" on a CUDA device
+    where Triton is installed, "sdpa" on the CPU (under Triton's interpreter too) or without
+    Triton; "sdpa" and "triton" asked for by name are themselves on any device. On the CPU the
+    default loop then decodes through the grouped sdpa and draws no token by the draw kernel."""
+    import importlib.util
+
+    from fusedalign.generation import StaticDecode
+    from fusedalign.generation.decode_attention import GROUPED, kernel_for
+    from fusedalign.models import load_model, load_tokenizer
+
+    assert StaticDecode(max_new_tokens=4, eos_token_id=0, pad_token_id=0).decode_kernel == "auto"
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    real = importlib.util.find_spec
+    for installed in (True, False):  # Triton installed, then not
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, on=installed: (
+            (real("torch") if on else None) if name == "triton" else real(name, *a)))
+        assert kernel_for("auto", cuda) == ("triton" if installed else "sdpa")
+        assert kernel_for("auto", cpu) == "sdpa"
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        assert kernel_for("auto", cpu) == "sdpa"
+        monkeypatch.delenv("TRITON_INTERPRET")
+        assert [kernel_for(k, d) for k in ("sdpa", "triton") for d in (cuda, cpu)] == ["sdpa", "sdpa", "triton", "triton"]
+    monkeypatch.undo()
+
+    tok = load_tokenizer("builtin:tiny-qwen2")
+    model = load_model("builtin:tiny-qwen2", attn_implementation="sdpa").eval()
+    prompts, keys = [[5, 6, 7], [8, 9]], [(0, 0), (1, 0)]
+    decode = StaticDecode(max_new_tokens=3, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    decode.generate(model, prompts, keys)
+    assert decode.last_call["decode_kernel"] == "sdpa" and decode.last_call["attention"] == GROUPED
+    assert decode.last_call["draw_kernel"] is False
+
+
 @pytest.mark.skipif(CUDA, reason="CUDA present: StaticDecode with the kernel is tested compiled, below")
 def test_static_decode_with_the_kernel_decodes_as_with_the_grouped_sdpa():
     run_under_interpreter("tests.unit.test_decode_kernel", "static_decode_checks", "static decode checks passed")
@@ -207,9 +241,9 @@ def static_decode_checks():
         model = load_model(name, attn_implementation="sdpa").eval()
         kw = dict(max_new_tokens=10, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, do_sample=False,
                   repetition_penalty=1.3, window_slots=4, compact_below=0.9, check_every=2)
-        first = StaticDecode(**kw).generate(model, prompts, keys).completion_ids
+        first = StaticDecode(**kw, decode_kernel="sdpa").generate(model, prompts, keys).completion_ids
         kw["eos_token_id"] = first[2][1]  # one row ends early: the batch compacts
-        want = StaticDecode(**kw).generate(model, prompts, keys)
+        want = StaticDecode(**kw, decode_kernel="sdpa").generate(model, prompts, keys)
         calls.clear()
         decode = StaticDecode(**kw, decode_kernel="triton")
         got = decode.generate(model, prompts, keys)
@@ -238,7 +272,8 @@ def test_cuda_graph_decoding_with_the_kernel_equals_the_grouped_sdpa(compiled, f
     kw = dict(max_new_tokens=40, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, do_sample=False,
               repetition_penalty=1.3, window_slots=16)
     for _ in range(2):
-        want = StaticDecode(**kw).generate(model, prompts, keys)
+        want = StaticDecode(**kw, decode_kernel="sdpa").generate(model, prompts, keys)
+        assert want.completion_ids and StaticDecode(**kw).kernel_on(model) == "triton"  # "auto" on CUDA
         decode = StaticDecode(**kw, decode_kernel="triton", compile_step=compiled, fused_sampling=fused)
         got = decode.generate(model, prompts, keys)
         assert decode.last_call["graph"] is True and decode.last_call["graphs"] >= 3
@@ -272,7 +307,7 @@ def compiled_checks():
     model = load_model("builtin:tiny-qwen2", attn_implementation="sdpa").eval()
     kw = dict(max_new_tokens=5, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, do_sample=False,
               repetition_penalty=1.3)
-    want = StaticDecode(**kw).generate(model, prompts, keys)
+    want = StaticDecode(**kw, decode_kernel="sdpa").generate(model, prompts, keys)
     for fused in (False, True):  # the draw from the logits, then inside the head
         torch._dynamo.reset()
         counters.clear()

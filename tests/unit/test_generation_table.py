@@ -40,10 +40,13 @@ def test_fastest_method_is_compiled_triton_with_fused_projections():
 
 
 def test_defaults_methods_turn_on_one_option_each_and_both_uncompiled():
+    """`ours` is StaticDecode's default (decode_kernel "auto"), `ours_sdpa` pins the grouped sdpa,
+    `ours_triton` the Triton kernels; the projections' methods add fuse_projections to those."""
     args = generation.parse_args(["--device", "cpu", "--tiny"])
     options = {m: generation.generation_config(args, m, pad=0, eos=1)
-               for m in ("ours", "ours_triton", "ours_fused_projections", "ours_triton_fused_projections")}
+               for m in ("ours", "ours_sdpa", "ours_triton", "ours_fused_projections", "ours_triton_fused_projections")}
     assert [(d.decode_kernel, d.fuse_projections, d.compile_step) for d in options.values()] == [
-        ("sdpa", False, False), ("triton", False, False), ("sdpa", True, False), ("triton", True, False)]
+        ("auto", False, False), ("sdpa", False, False), ("triton", False, False), ("auto", True, False),
+        ("triton", True, False)]
     assert generation.unavailable("ours_triton_fused_projections", "cpu")
     assert generation.unavailable("ours_fused_projections", "cpu") is None

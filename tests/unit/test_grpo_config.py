@@ -108,7 +108,9 @@ def test_static_loop_options_reach_the_loop_and_are_refused_where_generate_sampl
     from fusedalign.generation import StaticDecode
     from fusedalign.models import load_tokenizer
 
-    assert make().fused_sampling is False and make().decode_kernel == "sdpa" and make().fuse_projections is False
+    assert make().fused_sampling is False and make().decode_kernel == "auto" and make().fuse_projections is False
+    assert StaticDecode.from_args(make(generation_backend="static"), load_tokenizer("builtin:tiny-qwen2")).decode_kernel \
+        == "auto"
     args = make(generation_backend="static", fused_sampling=True, decode_kernel="triton", fuse_projections=True)
     decode = StaticDecode.from_args(args, load_tokenizer("builtin:tiny-qwen2"))
     assert decode.fused_sampling is True and decode.decode_kernel == "triton" and decode.fuse_projections is True
@@ -117,7 +119,8 @@ def test_static_loop_options_reach_the_loop_and_are_refused_where_generate_sampl
     with pytest.raises(ValueError, match=r"^--fused_sampling is an option of the static decoding loop; "
                                          r"--generation_backend generate does not use it"):
         make(generation_backend="generate", fused_sampling=True)
-    with pytest.raises(ValueError, match=r"^--decode_kernel .*auto, which picks generate here"):
-        make(decode_kernel="triton")
-    with pytest.raises(ValueError, match=r"^decode_kernel must be one of 'sdpa', 'triton'; got 'flash'"):
+    for kernel in ("triton", "sdpa"):  # named, not left to auto, where generate samples: refused
+        with pytest.raises(ValueError, match=r"^--decode_kernel .*auto, which picks generate here"):
+            make(decode_kernel=kernel)
+    with pytest.raises(ValueError, match=r"^decode_kernel must be one of 'auto', 'sdpa', 'triton'; got 'flash'"):
         make(generation_backend="static", decode_kernel="flash")
