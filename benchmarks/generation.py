@@ -14,11 +14,11 @@ batch x 256 tokens), at each batch size:
     dynamic_eos dynamic with an end-of-sequence id (the vocabulary's last, about never drawn):
                 what a trainer runs, generate then reads the finished rows back every token
     ours        fusedalign.generation.StaticDecode as GRPO runs it by default on CUDA: a static
-                cache, every token one CUDA graph replay, the same end-of-sequence id; since the
-                commit after bda33d2 its attention and sampled draw are the Triton kernels on CUDA
+                cache, every token one CUDA graph replay, the same end-of-sequence id; since
+                ae1bfaa its attention and sampled draw are the Triton kernels on CUDA
                 (decode_kernel="auto"), before that the grouped sdpa
     ours_sdpa   ours with the grouped sdpa (cuDNN's) as the step's attention, the draw in torch
-                (StaticDecode(decode_kernel="sdpa"): the default loop before the commit after bda33d2)
+                (StaticDecode(decode_kernel="sdpa"): the default loop before ae1bfaa)
     ours_eager  the same loop without the CUDA graph
     ours_fused  ours drawing each token inside the head, slice by slice of the vocabulary
                 (StaticDecode(fused_sampling=True), generation/sampling_head.py)

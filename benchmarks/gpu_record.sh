@@ -69,8 +69,8 @@
 # and generate with its static cache and compiled decoding) and PARTS=generation_real (at most 9
 # minutes: the same at batch 512 with completions of log-normal lengths, median 300, p95 1,500,
 # at most 2,048 tokens); PARTS=generation_defaults (about 3.5 minutes: generation at batch 256
-# and 512, 128-token prompts, ours' default step (the Triton kernels on CUDA since the commit
-# after bda33d2) against the grouped sdpa's, with the projections fused, and ours_fastest).
+# and 512, 128-token prompts, ours' default step (the Triton kernels on CUDA since
+# ae1bfaa) against the grouped sdpa's, with the projections fused, and ours_fastest).
 # PARTS=baseline_grpo and PARTS=baseline_generation run an earlier commit's own benchmark
 # scripts, from its tree unpacked at $BASELINE (default /tmp/baseline; `git archive COMMIT`
 # carried and unpacked there), on this run's model: its default GRPO step at 64 x 8 x 256 (about
