@@ -32,8 +32,8 @@ batch x 256 tokens), at each batch size:
     ours_fused_projections  ours (the default kernels) with each layer's q/k/v and gate/up
                    projections as one GEMM each (StaticDecode(fuse_projections=True),
                    generation/fused_projections.py)
-    ours_triton_fused_projections  ours_triton and ours_fused_projections together, not compiled:
-                   what the default would be with both on (CUDA only)
+    ours_triton_fused_projections  ours_triton and ours_fused_projections together, not compiled
+                   (CUDA only; on CUDA the same as ours_fused_projections since ae1bfaa)
     ours_fastest   the fastest step measured (9ef7678 on an H100: compiled, the Triton attention
                    and draw kernels, the draw from the logits) with each layer's q/k/v and gate/up
                    projections as one GEMM each (StaticDecode(fuse_projections=True); CUDA only)
@@ -73,8 +73,8 @@ from benchmarks.harness.env import gpu_info, log, versions, versions_line  # noq
 from benchmarks.harness.tables import fmt, markdown, ratio, write_markdown  # noqa: E402
 
 METHODS = ("dynamic", "dynamic_eos", "static", "continuous", "ours", "ours_sdpa", "ours_eager", "ours_fused",
-           "ours_compiled", "ours_triton", "ours_compiled_triton_fused", "ours_fused_projections", "ours_triton_fused_projections",
-           "ours_fastest")
+           "ours_compiled", "ours_triton", "ours_compiled_triton_fused", "ours_fused_projections",
+           "ours_triton_fused_projections", "ours_fastest")
 TRITON = ("ours_triton", "ours_compiled_triton_fused", "ours_triton_fused_projections", "ours_fastest")  # Triton kernels
 PROJECTIONS = ("ours_fused_projections", "ours_triton_fused_projections", "ours_fastest")  # projections fused
 
