@@ -109,8 +109,8 @@ def test_static_loop_options_reach_the_loop_and_are_refused_where_generate_sampl
     from fusedalign.models import load_tokenizer
 
     assert make().fused_sampling is False and make().decode_kernel == "auto" and make().fuse_projections is False
-    assert StaticDecode.from_args(make(generation_backend="static"), load_tokenizer("builtin:tiny-qwen2")).decode_kernel \
-        == "auto"
+    tok = load_tokenizer("builtin:tiny-qwen2")
+    assert StaticDecode.from_args(make(generation_backend="static"), tok).decode_kernel == "auto"
     args = make(generation_backend="static", fused_sampling=True, decode_kernel="triton", fuse_projections=True)
     decode = StaticDecode.from_args(args, load_tokenizer("builtin:tiny-qwen2"))
     assert decode.fused_sampling is True and decode.decode_kernel == "triton" and decode.fuse_projections is True
