@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .decode_attention import KERNELS, kernel_for, triton_runs_on
+from .decode_attention import KERNELS, triton_runs_on
 from .keyed import filter_logits
 
 
@@ -125,8 +125,7 @@ class DecodeState:
         self.narrows = lm.config._attn_implementation in KERNELS.values()
         # decode_kernel "triton" (or "auto" on CUDA): a sampled draw by the Triton kernel
         # (draw_kernel.py) too, where the attention's kernel runs (CUDA, or Triton's interpreter in tests).
-        kernel = kernel_for(getattr(decode, "decode_kernel", "sdpa"), torch.device(device))
-        self.kernel_draws = (kernel == "triton" and decode.do_sample
+        self.kernel_draws = (decode.kernel_on(lm) == "triton" and decode.do_sample
                              and decode.sampler is None and triton_runs_on(torch.device(device)))
         visible = torch.zeros((B, 1, 1, L), dtype=torch.bool, device=device)
         visible[:, 0, 0, :P] = prompt_mask.bool()
