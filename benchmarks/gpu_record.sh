@@ -45,7 +45,9 @@
 # the kernel alone under each launch of a grid, to choose its default); PARTS=fast_grpo (at most 7
 # minutes: GRPO at 64 x 8 x 256 with the fastest decoding step measured, ours_compiled_triton:
 # compiled, the Triton kernel, the logits' draw, which beat the draw in the head at 71009fc, and the
-# same with the fused projections, against ours and TRL);
+# same with the fused projections, against ours and TRL); PARTS=grpo_training (at most 8 minutes:
+# the same shape, ours by default, with its decoder layers compiled, with the fastest decoding and
+# with both (ours_fastest): at bda33d2 the step's time outside generation was 72% at the fastest);
 # PARTS=decode_kernels (about 7 minutes: the step at batch 512 with the Triton kernel, compiled, and
 # the kernels that take its time, by name and by kind, for the eager forward and the compiled step;
 # then the same step with each layer's q/k/v and gate/up projections as one GEMM each);
@@ -199,6 +201,10 @@ part fast_grpo 400 python3 benchmarks/e2e_grpo.py $X --configs trl ours ours_com
     ours_compiled_triton_fused_projections \
     --warmup_steps 1 --timed_steps 2 --model_dir "$MODEL" --log_dir "$LOGS/fast_grpo" \
     --markdown_out "$OUT/fast_grpo.md"
+part grpo_training 480 python3 benchmarks/e2e_grpo.py $X --configs ours ours_compile \
+    ours_compiled_triton_fused_projections ours_fastest \
+    --warmup_steps 1 --timed_steps 2 --model_dir "$MODEL" --log_dir "$LOGS/grpo_training" \
+    --markdown_out "$OUT/grpo_training.md"
 part compiled_grpo 200 python3 benchmarks/e2e_grpo.py $X --configs ours ours_compiled \
     --warmup_steps 1 --timed_steps 2 --model_dir "$MODEL" --log_dir "$LOGS/compiled_grpo" \
     --markdown_out "$OUT/compiled_grpo.md"

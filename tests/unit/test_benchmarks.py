@@ -589,6 +589,18 @@ def test_grpo_ours_fast_gives_every_decoding_lever_to_the_loop(tmp_path):
                               [[5, 6, 7]] * 16, load_tokenizer("builtin:tiny-qwen2"), TrainerCallback(), None,
                               lambda **kw: [0.0])
     assert trainer.generator.fuse_projections is True and trainer.generator.compile_step is True
+    # ours_fastest: the same decoding levers by the default kernel choice, and the layers compiled.
+    best = grpo.RUNS["ours_fastest"]
+    assert dataclasses.replace(best, compile_layers=False, decode_kernel="triton") == dataclasses.replace(
+        fused, name=best.name, about=best.about)
+    assert grpo.availability("cpu")["ours_fastest"] is None  # "auto" is the grouped sdpa off CUDA
+    trainer = grpo.build_ours(best, args, str(tmp_path / "out3"), [[5, 6, 7]] * 16,
+                              load_tokenizer("builtin:tiny-qwen2"), TrainerCallback(), None, lambda **kw: [0.0])
+    assert trainer.args.compile_layers is True and trainer.generator.decode_kernel == "auto"
+    from fusedalign.backbone import decoder_layers
+
+    assert [layer._fusedalign_compiled for layer in decoder_layers(trainer.model)] == [True, True]
+    assert trainer.generator.fuse_projections is True and trainer.generator.compile_step is True
 
 
 def test_packed_attention_cpu_smoke_agrees_across_layouts(tmp_path):
