@@ -68,9 +68,11 @@
 # flex with enable_gqa, and sdpa on the same completions padded); PARTS=generation_128,
 # PARTS=generation_512 (at most 9 min 20 s each: batches 64, 256 and 512, 256 new tokens a row,
 # generate as TRL runs it (first: the ratios' base), ours (its fastest step, then its default)
-# and generate with its static cache and compiled decoding) and PARTS=generation_real (at most 9
+# and generate with its static cache and compiled decoding) and PARTS=generation_real (at most 8.5
 # minutes: the same at batch 512 with completions of log-normal lengths, median 300, p95 1,500,
-# at most 2,048 tokens); PARTS=generation_defaults (about 3.5 minutes: generation at batch 256
+# at most 2,048 tokens, without `static`, which PARTS=generation_real_static runs alone, at most
+# 6 minutes), PARTS=generation_real_512 and PARTS=generation_real_512_static (the same with
+# 512-token prompts); PARTS=generation_defaults (about 3.5 minutes: generation at batch 256
 # and 512, 128-token prompts, ours' default step (the Triton kernels on CUDA since
 # ae1bfaa) against the grouped sdpa's, with the projections fused, and ours_fastest).
 # PARTS=baseline_grpo and PARTS=baseline_generation run an earlier commit's own benchmark
@@ -161,9 +163,16 @@ for PROMPT in 128 512; do P=$PROMPT; [ "${TINY:-0}" = 1 ] && P=$((PROMPT / 16)) 
 part generation_$PROMPT 560 python3 benchmarks/generation.py $X --batches $BATCHES --repeats 1 \
     --prompt_length $P --methods dynamic_eos ours_fastest ours static --model_dir "$MODEL" \
     --log_dir "$LOGS/generation_$PROMPT" --markdown_out "$OUT/generation_$PROMPT.md"; done
-part generation_real 500 python3 benchmarks/generation.py $X --batches $BATCH --repeats 1 $GENERATION_REAL \
-    --methods dynamic_eos ours_fastest ours static --model_dir "$MODEL" --log_dir "$LOGS/generation_real" \
-    --markdown_out "$OUT/generation_real.md"
+# At realistic lengths, batch 512: `generate` as TRL runs it and ours in one part, `generate` with its
+# static cache and compiled decoding (its compilation and 2,048-step calls) in a part of its own.
+for PROMPT in 128 512; do P=$PROMPT; [ "${TINY:-0}" = 1 ] && P=$((PROMPT / 16))
+SUFFIX=""; [ $PROMPT = 128 ] || SUFFIX=_$PROMPT
+part generation_real$SUFFIX 500 python3 benchmarks/generation.py $X --batches $BATCH --repeats 1 $GENERATION_REAL \
+    --prompt_length $P --methods dynamic_eos ours_fastest ours --model_dir "$MODEL" \
+    --log_dir "$LOGS/generation_real$SUFFIX" --markdown_out "$OUT/generation_real$SUFFIX.md"
+part generation_real${SUFFIX}_static 400 python3 benchmarks/generation.py $X --batches $BATCH --repeats 1 \
+    $GENERATION_REAL --prompt_length $P --methods static --model_dir "$MODEL" \
+    --log_dir "$LOGS/generation_real${SUFFIX}_static" --markdown_out "$OUT/generation_real${SUFFIX}_static.md"; done
 part baseline_grpo 200 python3 "$BASELINE/benchmarks/e2e_grpo.py" $X --configs ours --warmup_steps 1 --timed_steps 2 \
     --model_dir "$MODEL" --log_dir "$LOGS/baseline_grpo" --markdown_out "$OUT/baseline_grpo.md"
 part baseline_generation 150 python3 "$BASELINE/benchmarks/generation.py" $X --batches $BATCH --repeats 3 \
