@@ -28,6 +28,9 @@
 # min 20 s: the longest completion ours (one completion a row, two decoded at a time) and TRL, at
 # its default micro-batch and at one completion a micro-batch, are predicted to train at 8 x 8,
 # from the peak at 4,096, 8,192 and 16,384 tokens, with the rollout's KV cache at that length),
+# PARTS=grpo_longest_offload (at most 7 minutes: the same prediction for TRL at one completion a
+# micro-batch and ours with its MLP tiled, both with the checkpointed layers' inputs offloaded to
+# host memory, what a user after the longest completion would add: what each holds a token then),
 # PARTS=grpo_long_memory (at most 7 minutes: what is alive at the peak of a step of one prompt's 8
 # completions of 16,384 tokens with checkpointing, ours one completion a row (also with each layer's
 # MLP in tiles of 896 tokens) and TRL one completion a micro-batch, by the line that allocated it:
@@ -192,6 +195,9 @@ part grpo_real 540 python3 benchmarks/e2e_grpo.py $X --configs trl ours_shared_p
 part grpo_longest 560 python3 benchmarks/e2e_grpo.py $X --longest_search --configs trl ours_shared_prompt_rows2 trl_micro1 \
     --max_tokens_per_batch 0 $LONGEST --model_dir "$MODEL" --log_dir "$LOGS/grpo_longest" \
     --markdown_out "$OUT/grpo_longest.md"
+part grpo_longest_offload 400 python3 benchmarks/e2e_grpo.py $X --longest_search --configs trl_micro1 \
+    ours_shared_prompt_rows2_tiled $OFFLOAD --max_tokens_per_batch 0 $LONGEST --model_dir "$MODEL" \
+    --log_dir "$LOGS/grpo_longest_offload" --markdown_out "$OUT/grpo_longest_offload.md"
 part grpo_long_memory 420 python3 benchmarks/e2e_grpo.py $X --configs ours_shared_prompt ours_shared_prompt_rows2_tiled trl_micro1 --random_completions \
     --prompts 1 --num_generations 8 --per_device_train_batch_size 8 --new_tokens $LONG_TOKENS --gradient_checkpointing \
     --max_tokens_per_batch 0 --warmup_steps 1 --timed_steps 1 $SNAPSHOT \

@@ -21,6 +21,8 @@ def _parts() -> list[str]:
     named = re.findall(r"^part (\w+) \d+ ", text, re.M)
     looped = (["dpo_flex", "dpo_flex16"] if "NAME=dpo_flex" in text else [])  # `part $NAME` in a loop
     looped += [f"generation_{n}" for n in (128, 512)] if "part generation_$PROMPT" in text else []
+    if "part generation_real$SUFFIX" in text:  # realistic lengths: 128-token prompts unsuffixed
+        looped += [f"generation_real{s}{static}" for s in ("", "_512") for static in ("", "_static")]
     return named + looped
 
 
