@@ -66,6 +66,8 @@
 # generation, ours packed with the prompt shared (eager, then with its decoder layers compiled:
 # fewer, fused launches a row) and ours padded (TRL's step is not what the profile asks about),
 # and one more step of each under torch.profiler: wall time against GPU busy time, kernels by kind);
+# PARTS=grpo_profile_padded (at most 4 minutes: the same for ours padded, eager and with its decoder
+# layers compiled: at bf33ce2 the padded step's element-wise kernels took 952 of its 1,917 GPU ms);
 # PARTS=packed_attention (at most 3 minutes: one packed GRPO row's attention, forward and
 # backward, flex attention as transformers runs it for 14 query heads (keys and values repeated),
 # flex with enable_gqa, and sdpa on the same completions padded); PARTS=generation_128,
@@ -205,6 +207,9 @@ part grpo_long_memory 420 python3 benchmarks/e2e_grpo.py $X --configs ours_share
 part grpo_profile 330 python3 benchmarks/e2e_grpo.py $X --configs ours_shared_prompt ours_shared_prompt_compile ours --random_completions \
     $PROFILE --warmup_steps 1 --timed_steps 1 --max_tokens_per_batch $GRPO_BUDGET \
     --model_dir "$MODEL" --log_dir "$LOGS/grpo_profile" --markdown_out "$OUT/grpo_profile.md"
+part grpo_profile_padded 240 python3 benchmarks/e2e_grpo.py $X --configs ours ours_compile --random_completions \
+    $PROFILE --warmup_steps 1 --timed_steps 1 \
+    --model_dir "$MODEL" --log_dir "$LOGS/grpo_profile_padded" --markdown_out "$OUT/grpo_profile_padded.md"
 part compiled_decode 120 python3 benchmarks/decode_profile.py $X --batches $BATCH --repeats 5 --compile \
     --model_dir "$MODEL" --markdown_out "$OUT/compiled_decode.md"
 part attention 90 python3 benchmarks/decode_attention.py $X --repeats 20 --markdown_out "$OUT/attention.md"
