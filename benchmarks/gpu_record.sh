@@ -76,7 +76,7 @@
 # and generate with its static cache and compiled decoding) and PARTS=generation_real (at most 8.5
 # minutes: the same at batch 512 with completions of log-normal lengths, median 300, p95 1,500,
 # at most 2,048 tokens, without `static`, which PARTS=generation_real_static runs alone, at most
-# 6 minutes), PARTS=generation_real_512 and PARTS=generation_real_512_static (the same with
+# 7 minutes), PARTS=generation_real_512 and PARTS=generation_real_512_static (the same with
 # 512-token prompts); PARTS=generation_defaults (about 3.5 minutes: generation at batch 256
 # and 512, 128-token prompts, ours' default step (the Triton kernels on CUDA since
 # ae1bfaa) against the grouped sdpa's, with the projections fused, and ours_fastest).
