@@ -74,9 +74,14 @@ def limit_tokens_per_s(shape: Shape, peaks: Peaks, prompt_length: int, live_rows
     return sum(live_rows) / seconds
 
 
-def step_seconds(shape: Shape, peaks: Peaks, rows: float, context: int) -> float:
-    """The floor of one decoding step: `rows` rows each at `context` tokens (the bytes and flops above)."""
+def step_seconds(shape: Shape, peaks: Peaks, rows: float, context: int, cached_tokens: float | None = None) -> float:
+    """The floor of one decoding step: `rows` rows each at `context` tokens (the bytes and flops above).
+
+    `cached_tokens` is the cache the step reads, when rows share some of it (a group's prompt
+    cached once); by default each row reads its own `context` tokens.
+    """
     s = shape
-    traffic = s.params * s.dtype_bytes + rows * context * s.kv_bytes_per_token
+    cached = rows * context if cached_tokens is None else cached_tokens
+    traffic = s.params * s.dtype_bytes + cached * s.kv_bytes_per_token
     work = 2 * rows * s.params + 4 * rows * context * s.layers * s.heads * s.head_dim
     return max(traffic / (peaks.tb_per_s * 1e12), work / (peaks.tflops * 1e12))

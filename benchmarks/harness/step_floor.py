@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from benchmarks.harness.decode_limit import Peaks, Shape
+from benchmarks.harness.decode_limit import Peaks, Shape, step_seconds
 
 
 @dataclass(frozen=True)
@@ -76,14 +76,12 @@ class StepFloor:
 
 def step_floor(shape: Shape, peaks: Peaks, work: StepWork) -> StepFloor:
     """The floor of each part of one step of `work` for a model of `shape` on a GPU of `peaks`."""
-    s, flop_s, byte_s = shape, peaks.tflops * 1e12, peaks.tb_per_s * 1e12
+    s, flop_s = shape, peaks.tflops * 1e12
     attention = s.layers * s.heads * s.head_dim  # flops per attended token are 4x this forward
     prefill = 2 * s.params * work.prompt_tokens / flop_s
-    decode = 0.0
-    for k in range(1, work.completion_length):  # the prefill drew token 0; step k draws token k
-        cached = work.prompt_tokens + work.rows * k  # each row's own k tokens, its prompt (shared or not)
-        traffic = s.params * s.dtype_bytes + cached * s.kv_bytes_per_token
-        flops = 2 * work.rows * s.params + 4 * work.rows * (work.prompt_length + k) * attention
-        decode += max(traffic / byte_s, flops / flop_s)
+    # The prefill drew token 0; step k draws token k, reading each row's own k tokens and the
+    # prompts' cache (once a group, or a copy a row).
+    decode = sum(step_seconds(s, peaks, work.rows, work.prompt_length + k, work.prompt_tokens + work.rows * k)
+                 for k in range(1, work.completion_length))
     forward = 2 * s.params * work.trained_tokens + 4 * attention * work.attended
     return StepFloor(prefill, decode, 3 * forward / flop_s, work.extra_forwards * forward / flop_s)
