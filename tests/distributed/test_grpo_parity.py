@@ -50,6 +50,11 @@ GRPO = {"trainer": "grpo", "steps": 3}
 LORA = {"peft": True, "lora_target_modules": ["q_proj", "v_proj", "lm_head"], "init_lora_weights": False}
 # LoRA inside the MLPs too, for the tiled MLP: the adapters' weights are gathered with the MLP's own.
 LORA_MLP = {**LORA, "lora_target_modules": ["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]}
+# Adapters in every projection at the other scenarios' learning rate (0.1) make six updates that amplify
+# rounding: on an AMD EPYC, one process splitting its 8 rows into 2 micro-batches of 4 (nothing else
+# changed) moved a weight by 1.4x the tolerance, and ZeRO-3's packed, tiled run by 1.08x. At 0.01 both stay
+# near 1% of it while every adapter still moves by 50x it or more, so a lost gradient cannot pass.
+LORA_MLP_LR = 0.01
 # Rank 0 generates for the first prompt of each generation batch (rows 0, 2, 4 in 3 steps):
 # all their completions truncated and masked; rank 1's rows keep loss tokens.
 MASKED_ROWS = [0, 2, 4]
@@ -80,7 +85,7 @@ BASELINE = [
      "num_iterations": 2},
     {**GRPO, "name": "reward_model", "fused": False, "per_device_batch": 8, "reward_model": True},
     {**GRPO, "name": "lora_mlp_kl_mu2", "fused": False, "per_device_batch": 8, "beta": 0.1, "num_iterations": 2,
-     **LORA_MLP},
+     **LORA_MLP, "lr": LORA_MLP_LR},
     *({**GRPO, "name": f"{loss}_kl_mu2", "fused": False, "per_device_batch": 8, "loss_type": loss, "beta": 0.1,
        "num_iterations": 2} for loss in PACKED_LOSSES),
 ]
@@ -130,7 +135,8 @@ _packed_ckpt = ({**_packed[0], "name": "packed_kl_mu2_ckpt", "gradient_checkpoin
 _packed_tiled = ({**_packed_ckpt[0], "name": "packed_tiled_ckpt", "tiled_mlp_tokens": 16}, "dapo_kl_mu2")
 # The tiled MLPs with LoRA adapters in them (and on lm_head, the reference the policy with its adapters
 # off) under ZeRO-3, whose one gather a call of the MLP must take the adapters' weights along.
-_packed_tiled_lora = ({**_packed_tiled[0], "name": "packed_tiled_lora_ckpt", **LORA_MLP}, "lora_mlp_kl_mu2")
+_packed_tiled_lora = ({**_packed_tiled[0], "name": "packed_tiled_lora_ckpt", **LORA_MLP, "lr": LORA_MLP_LR},
+                      "lora_mlp_kl_mu2")
 _packed_losses = [({**_packed[0], "name": f"packed_{loss}", "loss_type": loss}, f"{loss}_kl_mu2")
                   for loss in PACKED_LOSSES[1:]]
 # A budget (21) below a prompt group (4 completions, 24-45 tokens): each rank's step needs 2 to 4 rows for
