@@ -53,7 +53,7 @@ LORA_MLP = {**LORA, "lora_target_modules": ["q_proj", "v_proj", "gate_proj", "up
 # Adapters in every projection at the other scenarios' learning rate (0.1) make six updates that amplify
 # rounding: on an AMD EPYC, one process splitting its 8 rows into 2 micro-batches of 4 (nothing else
 # changed) moved a weight by 1.4x the tolerance, and ZeRO-3's packed, tiled run by 1.08x. At 0.01 both stay
-# near 1% of it while every adapter still moves by 50x it or more, so a lost gradient cannot pass.
+# near 1% of it while every adapter still moves by 49x it or more, so a lost gradient cannot pass.
 LORA_MLP_LR = 0.01
 # Rank 0 generates for the first prompt of each generation batch (rows 0, 2, 4 in 3 steps):
 # all their completions truncated and masked; rank 1's rows keep loss tokens.
