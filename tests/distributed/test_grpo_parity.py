@@ -41,7 +41,7 @@ import torch
 
 import pytest
 
-from tests.distributed.parity import BACKENDS, assert_same_training, lazy_runs, result
+from tests.distributed.parity import BACKENDS, RTOL, assert_same_training, lazy_runs, result, weights
 from tests.reward_model import REWARD_MODEL_ENV, save_tiny_reward_model
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -86,6 +86,9 @@ BASELINE = [
     {**GRPO, "name": "reward_model", "fused": False, "per_device_batch": 8, "reward_model": True},
     {**GRPO, "name": "lora_mlp_kl_mu2", "fused": False, "per_device_batch": 8, "beta": 0.1, "num_iterations": 2,
      **LORA_MLP, "lr": LORA_MLP_LR},
+    # Its adapters as initialised (no step moves them), to show that LORA_MLP_LR trains every one.
+    {**GRPO, "name": "lora_mlp_initial", "fused": False, "per_device_batch": 8, "beta": 0.1, **LORA_MLP, "lr": 0.0,
+     "steps": 1},
     *({**GRPO, "name": f"{loss}_kl_mu2", "fused": False, "per_device_batch": 8, "loss_type": loss, "beta": 0.1,
        "num_iterations": 2} for loss in PACKED_LOSSES),
 ]
@@ -182,6 +185,12 @@ def test_baseline_fused_equals_unfused_and_masked_steps_train_nothing(runs):
     _assert_same_history(result(single, "dapo_fused"), result(single, "dapo"))
     assert result(single, "grpo_kl")["history"][1]["kl"] > 0 and result(single, "lora_kl")["history"][0]["kl"] > 0
     assert result(single, "masked")["losses"] == [0.0, 0.0, 0.0]
+    # At LORA_MLP_LR every adapter, the MLPs' too, moves by far more than the parity tolerance.
+    initial, trained = weights(single, "lora_mlp_initial"), weights(single, "lora_mlp_kl_mu2")
+    assert sum("mlp" in key and "lora_" in key for key in initial) == 12, sorted(initial)
+    for key, value in initial.items():
+        moved = ((trained[key] - value).abs() / (1e-6 + RTOL * value.abs())).max().item()
+        assert "lora_" not in key or moved > 20, (key, moved)
     # The reward model's scores reach the rewards: the sum differs from the token sum's alone.
     assert all(a["reward"] != b["reward"] for a, b in zip(result(single, "reward_model")["history"],
                                                          result(single, "dapo")["history"]))
