@@ -5,14 +5,19 @@
 - `torch.compile` of each decoder layer's forward (`--compile_layers`, or
   `--torch_compile`). Only the layer's `forward` is compiled, not its `__call__`: the
   hooks a backend attaches to the layer (FSDP2's unshard/reshard) run eagerly around
-  the compiled code, and the head, outside every layer, stays the fused op.
+  the compiled code, and the head, outside every layer, stays the fused op. Generation
+  runs the layers' eager forward (`eager_layers`): its KV cache, its shapes that change
+  token by token and each layer's own cache index would each make dynamo compile the
+  layers' shared code again, until torch's recompile limit leaves training's forwards
+  eager too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -152,9 +157,38 @@ def compile_decoder_layers(
         )
     for layer in layers:
         if not getattr(layer, "_fusedalign_compiled", False):
+            eager = layer.forward
             if recompute == "default":
-                layer.forward = torch.compile(layer.forward, backend=backend, mode=mode)
+                compiled = torch.compile(eager, backend=backend, mode=mode)
             else:
-                layer.forward = torch.compile(layer.forward, backend=_backend_with(backend, recompute))
+                compiled = torch.compile(eager, backend=_backend_with(backend, recompute))
+            layer.forward = compiled
+            layer._fusedalign_forwards = (eager, compiled)
             layer._fusedalign_compiled = True
     return len(layers)
+
+
+@contextlib.contextmanager
+def eager_layers(model: nn.Module) -> Iterator[int]:
+    """Inside the block, every decoder layer that `compile_decoder_layers` compiled runs its
+    eager forward; the compiled one is put back on exit (also when the block raises).
+
+    For generation: dynamo guards the layers' shared code on the KV cache's state and sizes,
+    the query's length and each layer's `layer_idx`, so a rollout through the compiled
+    forward would compile it again for prefill, for each decoding shape and for each layer,
+    and once torch's recompile limit (8) is reached, every later call without a matching
+    graph, training's included, runs eager. Generation has its own compiled path
+    (StaticDecode's `compile_step`), which traces the eager forward.
+
+    Yields:
+        How many layers run eagerly in the block.
+    """
+    swapped = [(m, m._fusedalign_forwards) for m in unwrap_model(model).modules()
+               if getattr(m, "_fusedalign_forwards", None) is not None]
+    for layer, (eager, _) in swapped:
+        layer.forward = eager
+    try:
+        yield len(swapped)
+    finally:
+        for layer, (_, compiled) in swapped:
+            layer.forward = compiled

@@ -16,8 +16,10 @@ on exit (also when generation raises), so that the next training forward runs as
   module once and the decoding steps reuse the unsharded weights; then every module is
   resharded and its previous setting restored.
 
-Common: `torch.no_grad()`, eval mode (no dropout), gradient checkpointing off and
-`use_cache=True`, each restored exactly as it was.
+Common: `torch.no_grad()`, eval mode (no dropout), gradient checkpointing off,
+`use_cache=True` and compiled decoder layers eager (`backbone.eager_layers`: generation
+would otherwise spend torch's recompile limit, leaving training's layers eager), each
+restored exactly as it was.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from fusedalign.backbone import eager_layers
 from fusedalign.distributed.backend import is_fsdp2, is_zero3
 
 
@@ -44,6 +47,7 @@ def generation_weights(model: nn.Module, accelerator: Any) -> Iterator[nn.Module
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.no_grad())
         stack.enter_context(_inference_mode_flags(unwrapped))
+        stack.enter_context(eager_layers(unwrapped))
         if is_zero3(accelerator):
             stack.enter_context(_zero3_gathered(_deepspeed_engine(model, accelerator)))
         elif is_fsdp2(accelerator):

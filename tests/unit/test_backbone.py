@@ -7,12 +7,14 @@ tests/distributed/test_cli_launch.py.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import pytest
 import torch
 from transformers import Qwen2Config
 from transformers.models.qwen2.modeling_qwen2 import Qwen2ForCausalLM
 
-from fusedalign.backbone import compile_decoder_layers, decoder_layers
+from fusedalign.backbone import compile_decoder_layers, decoder_layers, eager_layers
 from fusedalign.configs import DPOConfig
 
 H, I, KV = 64, 512, 32  # hidden, intermediate, key/value width (2 heads of 16)
@@ -81,6 +83,51 @@ def test_compiled_layers_compute_what_eager_layers_compute():
     torch.testing.assert_close(compiled.model.layers[0].mlp.up_proj.weight.grad,
                                eager.model.layers[0].mlp.up_proj.weight.grad, rtol=1e-4, atol=1e-6)
     assert all(getattr(layer, "_fusedalign_compiled", False) for layer in decoder_layers(compiled))
+
+
+def _greedy(model: Qwen2ForCausalLM, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4,
+                              do_sample=False, pad_token_id=0)
+
+
+def test_generation_inside_eager_layers_compiles_nothing_and_training_still_compiles():
+    """Decoding through the compiled forward compiles the layers' shared code again for the cache's
+    state, the query's length and each layer's cache index (the recompile limit is 8: a 24-layer
+    model's rollout spends it, and training's forwards then run eager). Inside `eager_layers` the
+    same decoding compiles nothing and gives the same tokens; the compiled forward is back after,
+    also after an error, and a training forward compiles."""
+    ids = torch.randint(0, 300, (2, 6), generator=torch.Generator().manual_seed(2))
+    want = _greedy(small_qwen2().eval(), ids)
+
+    def counting(graphs: list) -> Callable:
+        def backend(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+        return backend
+
+    torch._dynamo.reset()  # the limit counts every earlier graph of the layers' code in this process
+    inside, through = [], []
+    shielded, exposed = small_qwen2().eval(), small_qwen2().eval()
+    compile_decoder_layers(shielded, recompute="default", backend=counting(inside))
+    compile_decoder_layers(exposed, recompute="default", backend=counting(through))
+    layers = decoder_layers(shielded)
+    with eager_layers(shielded) as swapped:
+        assert swapped == 2 and all(m.forward is m._fusedalign_forwards[0] for m in layers)
+        assert torch.equal(_greedy(shielded, ids), want)
+    assert inside == [] and all(m.forward is m._fusedalign_forwards[1] for m in layers)
+    with pytest.raises(RuntimeError, match="boom"):
+        with eager_layers(shielded):
+            raise RuntimeError("boom")
+    assert all(m.forward is m._fusedalign_forwards[1] for m in layers)
+    shielded.train()
+    shielded(input_ids=ids, use_cache=False).logits.sum().backward()
+    assert len(inside) == 1
+
+    assert torch.equal(_greedy(exposed, ids), want)
+    assert len(through) >= 3, len(through)  # prefill, decoding, the second layer's index at least
+    with eager_layers(small_qwen2()) as swapped:  # nothing compiled: nothing to swap
+        assert swapped == 0
 
 
 def test_zero3_is_refused_and_unknown_policy_named():

@@ -194,6 +194,7 @@ def test_replay_round_trip(tiny, tmp_path):
 def test_generation_weights_sets_and_restores_inference_flags_also_on_error():
     from types import SimpleNamespace
 
+    from fusedalign.backbone import compile_decoder_layers, decoder_layers
     from fusedalign.distributed import generation_weights
 
     model = load_model("builtin:tiny-qwen2")
@@ -201,18 +202,23 @@ def test_generation_weights_sets_and_restores_inference_flags_also_on_error():
     model.train()
     model.model.layers[1].eval()  # a module in its own mode must get it back
     model.config.use_cache = False
+    compile_decoder_layers(model, recompute="default", backend="eager")  # --compile_layers
     acc = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=None, fsdp_plugin=None), unwrap_model=lambda m: m)
     layers = [m for m in model.modules() if isinstance(getattr(m, "gradient_checkpointing", None), bool)]
     assert layers and all(m.gradient_checkpointing for m in layers)
+    compiled = [(m, m._fusedalign_forwards) for m in decoder_layers(model)]
+    assert len(compiled) == 2 and all(m.forward is fwd[1] for m, fwd in compiled)
     with pytest.raises(RuntimeError, match="boom"):
         with generation_weights(model, acc) as whole:
             assert whole is model and not torch.is_grad_enabled()
             assert not any(m.training for m in model.modules())
             assert not any(m.gradient_checkpointing for m in layers) and model.config.use_cache is True
+            assert all(m.forward is fwd[0] for m, fwd in compiled)  # generation runs the eager layers
             raise RuntimeError("boom")
     assert torch.is_grad_enabled() and model.training and not model.model.layers[1].training
     assert model.model.layers[0].training
     assert all(m.gradient_checkpointing for m in layers) and model.config.use_cache is False
+    assert all(m.forward is fwd[1] for m, fwd in compiled)
 
 
 @pytest.mark.gpu

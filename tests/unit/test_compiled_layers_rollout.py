@@ -1,0 +1,43 @@
+"""`--compile_layers` in a trainer that generates: the rollout runs the decoder layers eager, so
+torch's recompile limit is left to training's forwards (before, a 24-layer model's rollout spent
+it on its cache states, decoding shapes and layers' cache indices, and training ran eager)."""
+
+from __future__ import annotations
+
+import torch
+from torch._dynamo.utils import counters
+
+from fusedalign.configs import GRPOConfig
+from fusedalign.data import load_dataset_any
+from fusedalign.models import load_model
+from fusedalign.trainers.grpo import GRPOTrainer
+from tests.grpo_replay import token_sum_reward
+
+
+def test_grpo_rollout_compiles_nothing_and_training_compiles_within_the_limit(tmp_path):
+    torch._dynamo.reset()  # the limit counts every earlier graph of the layers' code in this process
+    prompts = load_dataset_any("builtin:zen", "standard_prompt_only").select(range(8))
+    args = GRPOConfig(
+        output_dir=str(tmp_path), max_steps=2, learning_rate=0.1, optim="sgd", per_device_train_batch_size=8,
+        num_generations=4, max_completion_length=8, beta=0.04, logging_steps=1, save_strategy="no", seed=0,
+        report_to="none", disable_tqdm=True, torch_compile_backend="eager",  # --compile_layers, cheap to compile
+    )
+    assert args.compile_layers
+    torch.manual_seed(0)
+    trainer = GRPOTrainer(load_model("builtin:tiny-qwen2"), reward_funcs=token_sum_reward, args=args,
+                          train_dataset=prompts)
+    generate, during = trainer.generator.generate, []
+
+    def counted(*a, **k):
+        before = counters["stats"]["unique_graphs"]
+        out = generate(*a, **k)
+        during.append(counters["stats"]["unique_graphs"] - before)
+        return out
+
+    trainer.rollout.generator.generate = counted
+    start = counters["stats"]["unique_graphs"]
+    trainer.train()
+    graphs = counters["stats"]["unique_graphs"] - start
+    assert len(during) == 2 and during == [0, 0]  # one rollout a step, no graph compiled in either
+    # policy with and without grad, the frozen reference, each static then with a dynamic length
+    assert 1 <= graphs < torch._dynamo.config.recompile_limit, graphs
