@@ -39,5 +39,5 @@ def test_grpo_rollout_compiles_nothing_and_training_compiles_within_the_limit(tm
     trainer.train()
     graphs = counters["stats"]["unique_graphs"] - start
     assert len(during) == 2 and during == [0, 0]  # one rollout a step, no graph compiled in either
-    # policy with and without grad, the frozen reference, each static then with a dynamic length
+    # forwards with and without gradients, each at its first length, then with the length dynamic: 4
     assert 1 <= graphs < torch._dynamo.config.recompile_limit, graphs
