@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from .decode_attention import KERNELS, triton_runs_on
-from .keyed import filter_logits
+from .keyed import filter_logits, filtering
 
 
 def process_logits(z: Tensor, seen: Tensor | None, *, repetition_penalty: float = 1.0, temperature: float = 1.0,
@@ -36,11 +36,9 @@ def process_logits(z: Tensor, seen: Tensor | None, *, repetition_penalty: float 
 def filters_off(processing: dict, vocab: int) -> bool:
     """Whether the logits processors of `processing` (StaticDecode's) only divide by the
     temperature: no repetition penalty, and no top-k, top-p or min-p that would remove a token
-    (`keyed.filter_logits` skips each alike)."""
-    top_k = processing["top_k"]
-    min_p = processing["min_p"]
-    return (processing["repetition_penalty"] == 1.0 and (not top_k or top_k <= 0 or top_k >= vocab)
-            and processing["top_p"] >= 1.0 and (min_p is None or min_p <= 0))
+    (`keyed.filtering`)."""
+    return processing["repetition_penalty"] == 1.0 and not filtering(
+        processing["top_k"], processing["top_p"], processing["min_p"], vocab)
 
 
 def penalised(z: Tensor, seen: Tensor | None, repetition_penalty: float) -> Tensor:

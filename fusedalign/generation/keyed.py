@@ -52,6 +52,12 @@ def gumbel_noise(row_hash: Tensor, vocab: int, start: int = 0) -> Tensor:
     return -torch.log(-torch.log(u))
 
 
+def filtering(top_k: int | None, top_p: float, min_p: float | None, vocab: int) -> bool:
+    """Whether `filter_logits` would remove a token of a `vocab`-token vocabulary with these flags:
+    top-k between 1 and vocab - 1, top-p under 1, min-p above 0 (each is skipped otherwise)."""
+    return bool(top_k and 0 < top_k < vocab) or top_p < 1.0 or (min_p is not None and min_p > 0)
+
+
 def filter_logits(z: Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float | None = None) -> Tensor:
     """transformers' top-k, top-p and min-p warpers on z [B, V] (already divided by T): removed -> -inf."""
     neg = torch.finfo(z.dtype).min
@@ -103,10 +109,10 @@ class KeyedSampler:
             raise RuntimeError("KeyedSampler: bind() the batch's row keys before selecting rows")
         self._rows = self._rows.index_select(0, keep.to(self._rows.device))
 
-    @property
-    def filters(self) -> bool:
-        """Whether top-k, top-p or min-p is on (a draw then needs the whole vocabulary at once)."""
-        return bool(self.top_k and self.top_k > 0) or self.top_p < 1.0 or bool(self.min_p)
+    def filters(self, vocab: int) -> bool:
+        """Whether its top-k, top-p or min-p removes tokens of a `vocab`-token vocabulary (a draw
+        then needs the whole vocabulary at once)."""
+        return filtering(self.top_k, self.top_p, self.min_p, vocab)
 
     def row_hashes(self, position: int, device) -> Tensor:
         """[B] the bound rows' hashes at completion `position`: what `gumbel_noise` draws from."""

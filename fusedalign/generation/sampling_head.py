@@ -42,7 +42,7 @@ from fusedalign.model_calls import _is_lora_layer
 from fusedalign.ops import LowRank
 
 from .decode_state import gumbel_scores, penalised
-from .keyed import KeyedSampler, gumbel_noise
+from .keyed import KeyedSampler, filtering, gumbel_noise
 
 CHUNK_ELEMENTS = 1 << 22  # B x slice float32 scores per slice: 16 MiB, a share of a GPU's L2
 MIN_SLICE = 1024  # tokens: no slice narrower, whatever the batch
@@ -50,15 +50,17 @@ MAX_VOCAB = 1 << 24  # token ids travel as float32
 
 
 def usable(lm: nn.Module, processing: dict[str, Any], sampler: KeyedSampler | None) -> str | None:
-    """Why the sampling head cannot draw for this model and these flags (None: it can)."""
-    if processing.get("top_k") or processing.get("top_p", 1.0) < 1.0 or processing.get("min_p"):
+    """Why the sampling head cannot draw for this model and these flags (None: it can). Flags that
+    remove no token (top-k 0 or at least the vocabulary, top-p 1, min-p 0) are no filtering."""
+    vocab = lm.config.get_text_config().vocab_size
+    if filtering(processing.get("top_k"), processing.get("top_p", 1.0), processing.get("min_p"), vocab):
         return "top-k, top-p or min-p filtering (they need the whole vocabulary at once)"
-    if sampler is not None and sampler.filters:
+    if sampler is not None and sampler.filters(vocab):
         return "the keyed sampler's top-k, top-p or min-p filtering"
     head = _head_module(lm)
     if not (_is_lora_layer(head) or isinstance(head, nn.Linear)):
         return f"an output embedding of type {type(head).__name__}"
-    if lm.config.get_text_config().vocab_size >= MAX_VOCAB:
+    if vocab >= MAX_VOCAB:
         return "a vocabulary of 2^24 tokens or more"
     try:
         post_processing_of(lm)

@@ -13,7 +13,7 @@ import torch
 from fusedalign.architectures import post_processing_of
 from fusedalign.generation import KeyedSampler, StaticDecode
 from fusedalign.generation import sampling_head as sampling
-from fusedalign.generation.decode_state import process_logits
+from fusedalign.generation.decode_state import filters_off, process_logits
 from fusedalign.models import load_model, load_tokenizer
 
 PROMPT_LENGTHS = (3, 7, 5, 1, 9, 4)
@@ -233,6 +233,16 @@ def test_filters_take_the_logits_path():
     assert "top-k" in sampling.usable(model, dict(top_k=20, top_p=1.0, min_p=None), None)
     assert "keyed" in sampling.usable(model, dict(top_k=0, top_p=1.0, min_p=None), KeyedSampler(0, top_p=0.9))
     assert sampling.usable(model, dict(top_k=0, top_p=1.0, min_p=None), None) is None
+    # Flags that remove no token are no filtering, as for the logits path (`keyed.filter_logits`)
+    # and the draw kernel (`decode_state.filters_off`): the vocabulary's size or more, min-p 0.
+    vocab = model.config.vocab_size
+    for none in (dict(top_k=vocab, top_p=1.0, min_p=None), dict(top_k=vocab + 5, top_p=1.0, min_p=0.0),
+                 dict(top_k=-1, top_p=1.0, min_p=None)):
+        assert sampling.usable(model, none, None) is None, none
+        assert sampling.usable(model, dict(top_k=0, top_p=1.0, min_p=None), KeyedSampler(0, **none)) is None, none
+        assert filters_off(dict(none, repetition_penalty=1.0), vocab), none
+    assert "top-k" in sampling.usable(model, dict(top_k=vocab - 1, top_p=1.0, min_p=None), None)
+    assert "keyed" in sampling.usable(model, dict(top_k=0, top_p=1.0, min_p=None), KeyedSampler(0, top_k=vocab - 1))
     tok = load_tokenizer("builtin:tiny-qwen2")
     d = StaticDecode(max_new_tokens=4, eos_token_id=tok.eos_token_id, pad_token_id=0, top_k=20, fused_sampling=True)
     d.generate(model.eval(), _prompts()[:2], _keys(2))
