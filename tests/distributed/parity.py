@@ -26,6 +26,7 @@ EXPECTED_WRAPPER = {
 }
 
 RTOL = 1e-5
+WEIGHT_ATOL = 1e-6  # the final weights' absolute tolerance, beside RTOL
 
 
 def _free_port() -> int:
@@ -107,7 +108,7 @@ def assert_same_training(got_out: Path, got: str, want_out: Path, want: str, *, 
         want_w = {k: v for k, v in want_w.items() if k in got_w}
     assert set(got_w) == set(want_w), set(got_w) ^ set(want_w)
     for key, value in want_w.items():
-        torch.testing.assert_close(got_w[key], value, rtol=RTOL, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
+        torch.testing.assert_close(got_w[key], value, rtol=RTOL, atol=WEIGHT_ATOL, msg=lambda m, k=key: f"{k}: {m}")
 
 
 def assert_weights_changed(out: Path, name: str, initial: dict[str, torch.Tensor]) -> None:
