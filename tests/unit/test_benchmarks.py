@@ -648,3 +648,31 @@ def test_a_profiles_host_side_counts_its_waits_for_the_gpu_and_its_launches():
     lines = format_profile({"step_ms": 1.0, "gpu_busy_ms": 0.5, "by_kind": {}, "top": [], "host": host})
     assert "9000 kernel launches (45.0 ms)" in lines[1] and "cudaStreamSynchronize 24x 300.0 ms" in lines[1]
     assert len(lines) == 2 + 4
+
+
+def test_layer_saved_bytes_counts_what_a_layer_saves_a_token_by_hand():
+    """One tiny Qwen2 layer on a row of 64 then 128 tokens (sdpa, CPU): a token costs, in float32, each
+    RMSNorm's input (2 x hidden x 4 B), their two rsqrt values and the attention's log-sum-exp (one a
+    head); tiling the MLP over 16-token tiles keeps out exactly its four bf16 intermediates a token
+    (gate, up, SiLU(gate) and the product), and the weights are not counted."""
+    from benchmarks import layer_saved_bytes
+    from benchmarks.builders.model import TINY
+
+    args = layer_saved_bytes.parse_args(["--tiny", "--lengths", "64", "128", "--modes", "eager", "tiled",
+                                         "--tiled_mlp_tokens", "16"])
+    got = layer_saved_bytes.measure(args)
+    (eager_at, eager, eager32), (tiled_at, tiled, tiled32) = got["eager"], got["tiled"]
+    hidden, inter, heads = TINY["hidden_size"], TINY["intermediate_size"], TINY["num_attention_heads"]
+    assert eager32 == tiled32 == 2 * hidden * 4 + 2 * 4 + heads * 4
+    assert eager - tiled == 4 * inter * 2
+    # Nothing that does not grow with the row: the bytes at each length are the slope times it.
+    assert eager_at == {64: eager * 64, 128: eager * 128} and tiled_at == {64: tiled * 64, 128: tiled * 128}
+
+
+def test_layer_saved_bytes_needs_two_lengths(capsys):
+    from benchmarks import layer_saved_bytes
+
+    with pytest.raises(SystemExit):
+        layer_saved_bytes.parse_args(["--lengths", "2048", "2048"])
+    assert capsys.readouterr().err.strip().endswith(
+        "--lengths: expected two or more different positive lengths, got [2048, 2048]")
