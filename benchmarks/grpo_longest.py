@@ -87,7 +87,7 @@ def fit_one(args, config: str) -> dict:
     for length in sorted(args.memory_fit):
         r = probe(args, config, length)
         probes.append({"length": length, "status": r["status"], "peak_gib": r.get("peak_gib"),
-                       "wall_s": r.get("wall_s")})
+                       "host_pinned_gib": r.get("host_pinned_gib"), "wall_s": r.get("wall_s")})
         log(f"  {length}: {r['status']}" + (f", peak {fmt(r.get('peak_gib'), '.2f')} GiB" if r.get("peak_gib") else "")
             + f" ({fmt(r.get('wall_s'), '.0f')} s, of which training {fmt(r.get('total_step_s'), '.0f')} s timed)")
         if r["status"] != "ok":
@@ -127,11 +127,13 @@ def fit_table(args, out: dict) -> str:
         e = out.get(config, {"status": "not run", "probes": []})
         if e["status"] in ("skipped", "error", "not run"):
             rows.append([config, f"{e['status']}: {e.get('reason') or e.get('error')}" if e["status"] != "not run"
-                         else "not run"] + [""] * 6)
+                         else "not run"] + [""] * 7)
             continue
         peaks = {p["length"]: (fmt(p["peak_gib"], ".2f") if p["status"] == "ok" else p["status"]) for p in e["probes"]}
         predicted = e.get("predicted")
+        pinned = {p["length"]: fmt(p.get("host_pinned_gib"), ".2f") for p in e["probes"] if p["status"] == "ok"}
         rows.append([config, ", ".join(peaks.get(length, "not run") for length in sorted(args.memory_fit)),
+                     ", ".join(pinned.get(length, "—") for length in sorted(args.memory_fit)),
                      fmt(e.get("slope_gib_per_1k"), ".3f"), fmt(e.get("max_residual_gib"), ".3f"),
                      f"~{predicted:,}" if predicted else e["status"],
                      f"{predicted / base:.2f}x" if predicted and base else "—",
@@ -147,9 +149,10 @@ def fit_table(args, out: dict) -> str:
              f"is what it would hold at the predicted length, {kv:,} bytes a token x (prompt + completion) x "
              f"the rows decoded at once, beside the weights and optimizer state")
     return title + "\n\n" + markdown(
-        ["config", "peak GiB at " + ", ".join(map(str, sorted(args.memory_fit))), "GiB per 1k tokens of length",
-         "worst residual GiB", "predicted longest max_completion_length", "vs trl", "vs TRL's longest",
-         "rollout KV GiB at it (rows at once)"], rows, numeric={2, 3, 4, 5, 6, 7})
+        ["config", "peak GiB at " + ", ".join(map(str, sorted(args.memory_fit))),
+         "pinned host GiB at them (peak, offload's)", "GiB per 1k tokens of length", "worst residual GiB",
+         "predicted longest max_completion_length", "vs trl", "vs TRL's longest", "rollout KV GiB at it (rows at once)"],
+        rows, numeric={3, 4, 5, 6, 7, 8})
 
 
 def rollout_kv(args, config: str, length: int | None, kv_bytes: int) -> str:

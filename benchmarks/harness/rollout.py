@@ -58,7 +58,8 @@ def run_worker(args, name: str, build: Callable[[Any, Timers], Any], completions
         timed = slice(args.warmup_steps, timed_end)
         shares = [g / s for g, s in zip(split.per_step[timed], stats["step_times"])]
         lengths = [e["completions/mean_length"] for e in callback.logs[timed] if "completions/mean_length" in e]
-        result.update(stats, status="ok", peak_gib=peak(), logs=callback.logs, init_s=timers.get("init"),
+        result.update(stats, status="ok", peak_gib=peak(), host_pinned_gib=host_pinned_gib() if cuda else None,
+                      logs=callback.logs, init_s=timers.get("init"),
                       completions_per_s=completions_per_step / stats["median_step_s"],
                       generation_share=statistics.median(shares) if shares and any(shares) else None,
                       mean_completion_length=statistics.mean(lengths) if lengths else None,
@@ -69,6 +70,20 @@ def run_worker(args, name: str, build: Callable[[Any, Timers], Any], completions
             result["profile"] = profile.result
     log(json.dumps({k: v for k, v in result.items() if k not in ("logs", "step_times", "memory", "profile")}))
     return 0 if result["status"] in ("ok", "OOM") else 1
+
+
+def host_pinned_gib() -> float | None:
+    """The most pinned host memory torch's host allocator has held in this process, GiB: where
+    checkpoint offload (`gradient_checkpointing_kwargs={"offload": True}`) keeps what the layers
+    save. The allocator rounds each block up to a power of two (unless PYTORCH_ALLOC_CONF's
+    pinned_max_round_threshold_mb says otherwise), and this counts the rounded blocks, as the
+    host's memory does. None where this torch does not report it."""
+    import torch
+
+    try:
+        return torch.cuda.host_memory_stats()["allocated_bytes.peak"] / 2**30
+    except (AttributeError, KeyError, RuntimeError):
+        return None
 
 
 def step_records(args, cuda: bool, timed_end: int) -> tuple[MemoryPeakStep | None, ProfileStep | None]:

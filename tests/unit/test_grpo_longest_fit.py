@@ -146,3 +146,24 @@ def test_the_rollouts_kv_cache_at_the_predicted_length_is_shown_for_the_rows_dec
         row = next(line for line in text.splitlines() if line.startswith(f"| {config} |"))
         assert row.rstrip(" |").endswith(f"{rows * (128 + length) * per_token / 2**30:.1f} ({rows})")
     assert f"{per_token:,} bytes a token" in text
+
+
+def test_the_pinned_host_memory_of_each_probe_is_shown_beside_its_peak(monkeypatch):
+    """With checkpoint offload what the layers save waits in pinned host memory: each probe's peak of
+    it stands beside its GPU peak (a dash where the worker could not read it: the CPU, an older torch),
+    and does not enter the GPU line."""
+    args = _args("--memory_fit", "4096", "8192", "--configs", "trl_micro1", "ours_shared_prompt_rows2_tiled")
+    pinned = {("trl_micro1", 4096): None, ("trl_micro1", 8192): None,
+              ("ours_shared_prompt_rows2_tiled", 4096): 0.75, ("ours_shared_prompt_rows2_tiled", 8192): 1.5}
+
+    def probe(args, config, length):
+        return {"status": "ok", "peak_gib": 4.0 + 1e-3 * length, "total_gib": 80.0,
+                "host_pinned_gib": pinned[config, length]}
+
+    monkeypatch.setattr(grpo_longest, "probe", probe)
+    found, text = grpo_longest.fit(args, {"trl_micro1": None, "ours_shared_prompt_rows2_tiled": None})
+    assert "| pinned host GiB at them (peak, offload's) |" in text
+    assert "| ours_shared_prompt_rows2_tiled | 8.10, 12.19 | 0.75, 1.50 | 1.024 |" in text
+    assert "| trl_micro1 | 8.10, 12.19 | —, — | 1.024 |" in text
+    assert [p["host_pinned_gib"] for p in found["ours_shared_prompt_rows2_tiled"]["probes"]] == [0.75, 1.5]
+    assert found["ours_shared_prompt_rows2_tiled"]["predicted"] == found["trl_micro1"]["predicted"] == 76_000
