@@ -31,6 +31,10 @@
 # PARTS=grpo_longest_offload (at most 7 minutes: the same prediction for TRL at one completion a
 # micro-batch and ours with its MLP tiled, both with the checkpointed layers' inputs offloaded to
 # host memory, what a user after the longest completion would add: what each holds a token then),
+# PARTS=grpo_longest_compile (at most 7 minutes: the same with offload for ours tiled, then also
+# with its decoder layers compiled and one completion decoded at a time; each probe's pinned host
+# memory beside its peak), PARTS=layer_saved (at most 4 minutes: what one decoder layer saves for
+# its backward a token on the GPU, eager, tiled, compiled and both, benchmarks/layer_saved_bytes.py),
 # PARTS=grpo_long_memory (at most 7 minutes: what is alive at the peak of a step of one prompt's 8
 # completions of 16,384 tokens with checkpointing, ours one completion a row (also with each layer's
 # MLP in tiles of 896 tokens) and TRL one completion a micro-batch, by the line that allocated it:
@@ -100,6 +104,7 @@ if [ "${TINY:-0}" = 1 ]; then X="--device cpu --tiny"; SHAPE="tiny=True, dtype='
      GRPO_BUDGET=64; CKPT_BUDGET=64; DISTILL_BUDGET=0; LONGEST="--memory_fit 8 16 32"
      OFFLOAD="--gradient_checkpointing"  # offload pins host memory, which a CPU-only machine cannot
      TRITON=""  # the Triton kernel runs on CUDA only
+     SAVED="--lengths 64 128 --tiled_mlp_tokens 16"
 else X=""; SHAPE="tiny=False, dtype='bf16', device='cuda'"; BATCH=512; BATCHES="64 256 512"; GRPO_BUDGET=8192; DISTILL_BUDGET=4096
      DEFAULTS_BATCHES="256 512"
      # With gradient checkpointing a packed token holds its layers' inputs only (43 KB at this
@@ -108,7 +113,7 @@ else X=""; SHAPE="tiny=False, dtype='bf16', device='cuda'"; BATCH=512; BATCHES="
      # of 128 + 8 x 256 with the prompt shared) trains each micro-batch as one row, 8 forwards a
      # step as the padded trainers run, instead of 24 rows of at most 8,192.
      CKPT_BUDGET=32768
-     OFFLOAD="--checkpoint_offload"; TRITON="--decode_kernel triton"
+     OFFLOAD="--checkpoint_offload"; TRITON="--decode_kernel triton"; SAVED="--device cuda --lengths 4096 16384"
      # The peak's line over three lengths, and where it meets the GPU's memory: with checkpointing
      # the boundary lies past 65,536 tokens a completion (TRL's line at f7eace9 meets an H100's
      # memory at ~82,700), where a step of 64 completions takes many minutes of attention alone.
@@ -200,6 +205,10 @@ part grpo_longest 560 python3 benchmarks/e2e_grpo.py $X --longest_search --confi
 part grpo_longest_offload 400 python3 benchmarks/e2e_grpo.py $X --longest_search --configs trl_micro1 \
     ours_shared_prompt_rows2_tiled $OFFLOAD --max_tokens_per_batch 0 $LONGEST --model_dir "$MODEL" \
     --log_dir "$LOGS/grpo_longest_offload" --markdown_out "$OUT/grpo_longest_offload.md"
+part grpo_longest_compile 420 python3 benchmarks/e2e_grpo.py $X --longest_search --configs ours_shared_prompt_rows2_tiled \
+    ours_shared_prompt_rows1_tiled_compile $OFFLOAD --max_tokens_per_batch 0 $LONGEST --model_dir "$MODEL" \
+    --log_dir "$LOGS/grpo_longest_compile" --markdown_out "$OUT/grpo_longest_compile.md"
+part layer_saved 240 python3 benchmarks/layer_saved_bytes.py $X $SAVED --markdown_out "$OUT/layer_saved.md"
 part grpo_long_memory 420 python3 benchmarks/e2e_grpo.py $X --configs ours_shared_prompt ours_shared_prompt_rows2_tiled trl_micro1 --random_completions \
     --prompts 1 --num_generations 8 --per_device_train_batch_size 8 --new_tokens $LONG_TOKENS --gradient_checkpointing \
     --max_tokens_per_batch 0 --warmup_steps 1 --timed_steps 1 $SNAPSHOT \

@@ -86,6 +86,11 @@ RUNS = {r.name: r for r in (
             tiled_mlp_tokens=896,
             about="ours_shared_prompt_rows2 with tiled_mlp_tokens=896 (the hidden size): each layer's MLP over tiles "
                   "of 896 tokens, each tile checkpointed, so a layer's recompute holds one tile's MLP activations"),
+    GRPORun("ours_shared_prompt_rows1_tiled_compile", "ours", padding_free=True, share_prompt=True,
+            generation_max_rows=1, tiled_mlp_tokens=896, compile_layers=True,
+            about="ours_shared_prompt_rows2_tiled decoding one completion at a time, with compile_layers=True: "
+                  "inductor recomputes the norms' float32 copies and the other element-wise work in the backward, "
+                  "so a layer's recompute saves less a token (benchmarks/layer_saved_bytes.py)"),
     GRPORun("ours_shared_prompt_compiled", "ours", padding_free=True, share_prompt=True, compile_generation=True,
             about="ours_shared_prompt with compile_generation=True: the decoding step compiled, then captured (at "
                   "realistic lengths a generation is its longest row's steps, most of them at a small batch, where "
