@@ -9,7 +9,9 @@ libraries say still reaches the user. Measured on 2026-12-03 (torch 2.13, DeepSp
 - 27 FutureWarnings from torch about `all_gather_into_tensor` / `reduce_scatter_tensor`,
   functions DeepSpeed calls, not the user.
 transformers' FutureWarning that `is_gradient_checkpointing` is deprecated, which PEFT's calls
-raise on every adapter load and save (transformers 5.2x, 2026-12-05). And PEFT, saving an adapter whose base is a builtin model (recorded by its name,
+raise on every adapter load and save (transformers 5.2x, 2026-12-05), and the one that
+`gradient_checkpointing` and its kwargs, TRL's flag names, are deprecated aliases of
+`activation_checkpointing` (transformers 5.25, every run given `--gradient_checkpointing`). And PEFT, saving an adapter whose base is a builtin model (recorded by its name,
 `builtin:tiny-qwen2`), warns that it cannot find that name's config "and will assume the
 vocabulary was not modified": true of every builtin model, whose vocabulary nothing resizes.
 """
@@ -57,6 +59,16 @@ def quiet_known_noise() -> None:
         "ignore",
         message=r"`is_gradient_checkpointing` is deprecated",
         category=FutureWarning,
+    )
+    # transformers 5.2x renames TrainingArguments' gradient_checkpointing(_kwargs) to
+    # activation_checkpointing(_kwargs) and warns on the old names, which are TRL's flags: the
+    # command line keeps them (both names work until transformers 6).
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`gradient_checkpointing(_kwargs)?` is deprecated and will be removed in v6\. "
+                r"Use `activation_checkpointing(_kwargs)?` instead\.",
+        category=FutureWarning,
+        module=re.escape("transformers.training_args"),
     )
     warnings.filterwarnings(
         "ignore",

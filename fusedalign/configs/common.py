@@ -174,6 +174,45 @@ def check_positive_sizes(args: TrainingArguments) -> None:
                          f"training steps); got {args.save_steps:g}.")
 
 
+def transformers_offloads_checkpoints() -> bool:
+    """Whether this transformers moves what checkpointed layers save to host memory when asked
+    (`gradient_checkpointing_kwargs={"offload": true}`): its checkpointing switch takes `offload`."""
+    import inspect
+
+    from transformers import PreTrainedModel
+
+    switches = [getattr(PreTrainedModel, name, None)
+                for name in ("activation_checkpointing_enable", "gradient_checkpointing_enable")]
+    return any(s is not None and "offload" in inspect.signature(s).parameters for s in switches)
+
+
+def check_checkpoint_offload(args: TrainingArguments) -> None:
+    """Refuses checkpoint offload where it cannot work, before any model loads.
+
+    transformers' offload keeps each checkpointed layer's saved input in pinned host memory. Pinning
+    needs an accelerator: without one torch raises inside the first backward, after the models
+    loaded (and on the CPU the activations are in host memory already). A transformers without
+    offload hands `offload` on to torch's checkpoint, which passes it to each layer's forward,
+    where it is ignored: the run would hold everything on the device while the user believes
+    otherwise.
+    """
+    kwargs = args.gradient_checkpointing_kwargs
+    if not (args.gradient_checkpointing and isinstance(kwargs, dict) and kwargs.get("offload")):
+        return
+    import transformers
+
+    flag = "--gradient_checkpointing_kwargs offload"
+    if not transformers_offloads_checkpoints():
+        raise ValueError(f"{flag}: this transformers ({transformers.__version__}) has no checkpoint offload, so "
+                         "the checkpointed activations would stay on the device; upgrade transformers, or leave "
+                         "offload out.")
+    available = getattr(getattr(torch, "accelerator", None), "is_available", torch.cuda.is_available)
+    if not available():
+        raise ValueError(f"{flag}: offload keeps what the checkpointed layers save in pinned host memory, "
+                         "which needs a GPU (or another accelerator) and none is present; here the activations "
+                         "are in host memory already: leave offload out.")
+
+
 def check_choice(flag: str, value: object, choices: tuple) -> None:
     """Raises ValueError naming `flag` and the accepted values when `value` is not one of them."""
     if value not in choices:
@@ -266,6 +305,7 @@ class FusedAlignConfig(TrainingArguments):
         configure_cpu_arguments(self)
         super().__post_init__()
         check_positive_sizes(self)
+        check_checkpoint_offload(self)
         check_report_to(self.report_to)
         check_init_dtype(self.model_init_kwargs, "model_init_kwargs")
         check_attention_available((self.model_init_kwargs or {}).get("attn_implementation"),
