@@ -94,6 +94,34 @@ def _init_kwargs(value: dict | str | None, name: str = "model_init_kwargs",
     return parsed
 
 
+# TrainingArguments' dict flags that take nothing but a JSON object on a command line, with an example each;
+# and those that also take a file's path (a string not starting with "{").
+JSON_ONLY_FLAGS = {"gradient_checkpointing_kwargs": '{"use_reentrant": false}',
+                   "activation_checkpointing_kwargs": '{"use_reentrant": false}',
+                   "lr_scheduler_kwargs": '{"min_lr": 1e-6}'}
+JSON_OR_PATH_FLAGS = ("deepspeed", "fsdp_config", "accelerator_config")
+
+
+def check_json_flags(args: TrainingArguments) -> None:
+    """Refuses a TrainingArguments dict flag given as a string that is not a JSON object, naming the
+    flag: transformers parses only strings that start with "{" (its JSON error names no flag) and
+    passes any other on, where it was ignored or failed far from the flag. The strings themselves
+    are left for transformers to parse, with its conversions of the values."""
+    for name, example in JSON_ONLY_FLAGS.items():
+        value = getattr(args, name, None)
+        if isinstance(value, str):
+            _init_kwargs(value, name, example)
+    for name in JSON_OR_PATH_FLAGS:
+        value = getattr(args, name, None)
+        if isinstance(value, str) and value.startswith("{"):
+            try:
+                parsed = json.loads(value)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{name} must be a JSON object or a file's path; got {value!r} ({err.msg})") from None
+            if not isinstance(parsed, dict):
+                raise ValueError(f"{name} must be a JSON object or a file's path; got {value!r}")
+
+
 def check_init_dtype(init_kwargs: dict | None, name: str) -> None:
     """Refuses a `dtype` in a from_pretrained kwargs dict that names no torch dtype (torch would raise an
     AttributeError when the model loads)."""
@@ -213,6 +241,21 @@ def check_checkpoint_offload(args: TrainingArguments) -> None:
                          "are in host memory already: leave offload out.")
 
 
+def check_optimizer_available(args: TrainingArguments) -> None:
+    """Refuses an `--optim` whose package is not installed (bitsandbytes' 8-bit and paged optimizers,
+    torchao's, schedule-free...), before any model loads: the Trainer finds it only when it builds the
+    optimizer, after the models loaded, with a traceback. The Trainer's own lookup runs here, without
+    the model; what it can only check with the model is left to it."""
+    from transformers import Trainer
+
+    try:
+        Trainer.get_optimizer_cls_and_kwargs(args)
+    except ImportError as err:
+        raise ValueError(f"--optim {getattr(args.optim, 'value', args.optim)}: {err}") from None
+    except Exception:  # noqa: BLE001 (needs the model, or the Trainer's later checks say it better)
+        pass
+
+
 def check_choice(flag: str, value: object, choices: tuple) -> None:
     """Raises ValueError naming `flag` and the accepted values when `value` is not one of them."""
     if value not in choices:
@@ -274,6 +317,7 @@ class FusedAlignConfig(TrainingArguments):
         if self.bf16 is None:
             self.bf16 = default_bf16(self)
         self.model_init_kwargs = _init_kwargs(self.model_init_kwargs)
+        check_json_flags(self)
         if self.label_smoothing_factor:
             raise ValueError(
                 f"label_smoothing_factor {self.label_smoothing_factor:g}: the fused head computes the label's "
@@ -306,6 +350,7 @@ class FusedAlignConfig(TrainingArguments):
         super().__post_init__()
         check_positive_sizes(self)
         check_checkpoint_offload(self)
+        check_optimizer_available(self)
         check_report_to(self.report_to)
         check_init_dtype(self.model_init_kwargs, "model_init_kwargs")
         check_attention_available((self.model_init_kwargs or {}).get("attn_implementation"),
