@@ -34,6 +34,13 @@ def peft_config_from(model_args: Any) -> Any:
         return None
     from peft import LoraConfig
 
+    if model_args.lora_r < 1:
+        raise CLIError(f"--lora_r must be >= 1 (the adapter's rank); got {model_args.lora_r}.")
+    if not 0 <= model_args.lora_dropout < 1:
+        raise CLIError(f"--lora_dropout must be in [0, 1); got {model_args.lora_dropout:g}.")
+    if model_args.lora_alpha == 0:
+        raise CLIError("--lora_alpha 0 scales the adapter's output, and so its gradients, to zero: the run would "
+                       "train nothing; give the usual 2 x --lora_r, for instance.")
     targets = model_args.lora_target_modules or ["all-linear"]
     if "all-linear" in targets:
         # PEFT's shorthand is a string, not a module name: a list holding it matches nothing.

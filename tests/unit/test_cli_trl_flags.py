@@ -66,6 +66,21 @@ def test_all_linear_with_other_names_is_one_line(tmp_path, capsys):
     assert "all-linear already names every linear layer" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--lora_r", "0"], "--lora_r must be >= 1 (the adapter's rank); got 0."),
+    (["--lora_dropout", "1.5"], "--lora_dropout must be in [0, 1); got 1.5."),
+    (["--lora_alpha", "0"], "--lora_alpha 0 scales the adapter's output, and so its gradients, to zero: the run "
+                            "would train nothing; give the usual 2 x --lora_r, for instance."),
+])
+def test_lora_values_that_train_nothing_or_cannot_build_are_one_line(tmp_path, capsys, flags, message):
+    """PEFT's own message for a rank of 0 names its field `r`, not the flag; dropout 1.5 failed when the
+    adapter was built; alpha 0 trained nothing, silently. Nothing is written."""
+    out = tmp_path / "run"
+    assert main(["sft", "--use_peft", *flags, "--max_steps", "1", "--output_dir", str(out)]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"fusedalign sft: error: {message}"
+    assert not out.exists()
+
+
 def test_version_names_ours_and_what_decides_a_run(capsys):
     assert main(["--version"]) == 0
     line = capsys.readouterr().out.strip()
