@@ -54,7 +54,42 @@ def prepare_split(kind: str, dataset: Any, tokenizer: Any, split: str, **options
     if truncated:
         logger.warning("%s split: %d of %d rows were truncated to fit max_length/max_prompt_length (none were dropped).",
                        split, truncated, rows)
+    _check_something_trains(kind, dataset, split)
     return dataset
+
+
+def _lengths(dataset: Any, column: str) -> list[int]:
+    import pyarrow.compute as pc
+
+    return pc.list_value_length(dataset.data.column(column)).to_pylist()
+
+
+_WHAT_DECIDES = {"sft": "max_length, truncation_mode and completion_only_loss/assistant_only_loss",
+                 "dpo": "max_length, max_prompt_length and truncation_mode",
+                 "kto": "max_length, max_prompt_length and truncation_mode"}
+
+
+def _check_something_trains(kind: str, dataset: Any, split: str) -> None:
+    """The rows with no token to learn from, after tokenisation and truncation: SFT, no loss token past
+    the first (which nothing predicts); DPO, neither answer has a token; KTO, the completion has none.
+    They add nothing to the loss: some are said, all of a split is refused.
+
+    Raises:
+        DataError: no row of the split has a token to learn from.
+    """
+    if kind == "dpo":
+        empty = [c == 0 and r == 0 for c, r in zip(_lengths(dataset, "chosen_ids"), _lengths(dataset, "rejected_ids"))]
+    elif kind == "kto":
+        empty = [n == 0 for n in _lengths(dataset, "completion_ids")]
+    else:
+        empty = [not any(mask[1:]) for mask in dataset["completion_mask"]]
+    count = sum(empty)
+    if count and count == len(empty):
+        raise DataError(f"{split} split: none of its {count} rows has a token to learn from after tokenisation and "
+                        f"truncation (the completion is empty or was cut off); check {_WHAT_DECIDES[kind]}.")
+    if count:
+        logger.warning("%s split: %d of %d rows have no token to learn from (kept; they add nothing to the loss).",
+                       split, count, len(empty))
 
 
 def _truncate_tokenised(kind: str, dataset: Any, split: str, options: dict[str, Any]) -> tuple[Any, int]:

@@ -18,7 +18,7 @@ from transformers.utils import logging
 
 from fusedalign.attention import check_packed_attention
 from fusedalign.configs import SFTConfig
-from fusedalign.data import DataError, SFTCollator, pack_dataset, position_labels
+from fusedalign.data import SFTCollator, pack_dataset, position_labels
 from fusedalign.data.splits import prepare_split
 from fusedalign.data.text_field import with_text_field
 from fusedalign.head import IGNORE_INDEX
@@ -71,7 +71,7 @@ class SFTTrainer(FusedAlignTrainer):
 
     @staticmethod
     def _prepare_split(dataset: Dataset | None, tokenizer: Any, args: SFTConfig, split: str) -> Dataset | None:
-        """Tokenises (reporting truncation), checks there is something to learn, packs."""
+        """Tokenises (reporting truncation and refusing a split with nothing to learn), packs."""
         dataset = prepare_split(
             "sft", with_text_field(dataset, args.dataset_text_field), tokenizer, split,
             completion_only_loss=args.completion_only_loss,
@@ -80,17 +80,6 @@ class SFTTrainer(FusedAlignTrainer):
         )
         if dataset is None:
             return None
-        # A sequence's first token is never predicted, so a row learns from mask[1:] only.
-        empty = sum(1 for mask in dataset["completion_mask"] if not any(mask[1:]))
-        if empty == len(dataset):
-            raise DataError(
-                f"{split} split: none of its {len(dataset)} rows has a token to learn from after tokenisation "
-                "and truncation (the completion is empty or was cut off); check max_length, truncation_mode "
-                "and completion_only_loss/assistant_only_loss."
-            )
-        if empty:
-            logger.warning("%s split: %d of %d rows have no token to learn from (kept; they add nothing to the loss).",
-                           split, empty, len(dataset))
         if args.packing:
             rows = len(dataset)
             dataset = pack_dataset(dataset, args.max_length)

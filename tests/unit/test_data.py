@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 import json
 
 import pytest
@@ -347,6 +348,36 @@ def test_dpo_truncation_count(tok):
     short, stats = prepare_dpo_dataset(ds, tok, max_length=limit)
     assert 0 < stats.num_truncated == expected < len(ds)
     assert all(len(r["prompt_ids"]) + len(r["chosen_ids"]) <= limit for r in short)
+
+
+@pytest.mark.parametrize("kind, rows", [
+    ("dpo", [{"prompt_ids": [5, 6], "chosen_ids": [7], "rejected_ids": [8, 9]},
+             {"prompt_ids": [5, 6], "chosen_ids": [], "rejected_ids": [9]},  # one answer left: it still trains
+             {"prompt_ids": [5, 6, 7], "chosen_ids": [7], "rejected_ids": [9]}]),
+    ("kto", [{"prompt_ids": [5, 6], "completion_ids": [7], "label": True},
+             {"prompt_ids": [5], "completion_ids": [8], "label": False},
+             {"prompt_ids": [5, 6, 7], "completion_ids": [8], "label": False}]),
+])
+def test_rows_truncation_leaves_without_a_completion_token_are_said_and_a_split_of_only_them_refused(
+        tok, caplog, kind, rows):
+    """max_length 3, keep_start: the last row, whose prompt fills it, keeps no completion token (DPO: neither
+    answer; KTO: the completion) and trains nothing: counted in a warning. A split of only such rows is
+    refused, naming it and the limits to check."""
+    from fusedalign.data.splits import prepare_split
+
+    data = Dataset.from_list(rows)
+    with caplog.at_level(logging.WARNING, logger="fusedalign.data.splits"):
+        out = prepare_split(kind, data, tok, "train", max_length=3, max_prompt_length=None,
+                            truncation_mode="keep_start")
+    assert len(out) == 3
+    messages = [r.getMessage() for r in caplog.records]
+    assert "train split: 1 of 3 rows have no token to learn from (kept; they add nothing to the loss)." in messages
+    with pytest.raises(DataError) as err:
+        prepare_split(kind, Dataset.from_list(rows[2:] * 2), tok, "eval", max_length=3, max_prompt_length=None,
+                      truncation_mode="keep_start")
+    assert str(err.value) == ("eval split: none of its 2 rows has a token to learn from after tokenisation and "
+                              "truncation (the completion is empty or was cut off); check max_length, "
+                              "max_prompt_length and truncation_mode.")
 
 
 def test_kto_rows_and_unpairing(tok):
