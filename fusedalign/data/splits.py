@@ -59,9 +59,10 @@ def prepare_split(kind: str, dataset: Any, tokenizer: Any, split: str, **options
 
 
 def _lengths(dataset: Any, column: str) -> list[int]:
+    """Each row's length of a list column, read in Arrow (the rows as the dataset orders them)."""
     import pyarrow.compute as pc
 
-    return pc.list_value_length(dataset.data.column(column)).to_pylist()
+    return pc.list_value_length(dataset.with_format("arrow")[column]).to_pylist()
 
 
 _WHAT_DECIDES = {"sft": "max_length, truncation_mode and completion_only_loss/assistant_only_loss",
