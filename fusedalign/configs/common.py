@@ -362,7 +362,8 @@ class FusedAlignConfig(TrainingArguments):
         if self.compile_layers and self.gradient_checkpointing:
             logger.warning(
                 "compile_layers with gradient_checkpointing: checkpointing already recomputes every activation, so "
-                "the compiled layers' memory saving is gone, and on an H200 (DPO, 0.5B model, 8k-16k tokens) they "
+                "the compiled layers save memory only in the one layer being recomputed (about half of what it "
+                "saves: benchmarks/layer_saved_bytes.py), and on an H200 (DPO, 0.5B model, 8k-16k tokens) they "
                 "ran at 0.55-0.74x the speed of TRL + Liger with checkpointing (docs/benchmarks.md). Consider "
                 "--use_liger_kernel instead of --compile_layers there."
             )
