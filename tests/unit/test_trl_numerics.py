@@ -157,9 +157,12 @@ def test_bco_running_mean_survives_resume(tmp_path, pairs):
 def test_truncation_defaults_are_trl_116s_and_keep_the_prompt_shared(tmp_path):
     for config in (DPOConfig(output_dir=str(tmp_path)), KTOConfig(output_dir=str(tmp_path))):
         assert config.truncation_mode == "keep_start" and config.max_prompt_length is None
+    # The first row's prompt alone fills max_length; the second keeps a completion, so that the split
+    # has something to learn (a split with nothing is refused).
     long = Dataset.from_list([{"prompt": "Beautiful is better than ugly. " * 3,
                                "chosen": " Explicit is better than implicit. " * 3,
-                               "rejected": " Simple is better. " * 2}])
+                               "rejected": " Simple is better. " * 2},
+                              {"prompt": "Now", "chosen": " is better.", "rejected": " never."}])
     trainer = DPOTrainer(load_model(MODEL), args=_dpo_args(tmp_path, max_length=24), train_dataset=long)
     row = trainer.train_dataset[0]
     tok = trainer.processing_class
