@@ -80,17 +80,19 @@ def default_bf16(args: TrainingArguments) -> bool:
 
 
 def _init_kwargs(value: dict | str | None, name: str = "model_init_kwargs",
-                 example: str = '{"dtype": "bfloat16"}') -> dict | None:
+                 example: str = '{"dtype": "bfloat16"}', expected: str | None = None) -> dict | None:
     """A dict field (`model_init_kwargs`, `generation_kwargs`, ...) as a dict: JSON from a command line or a
-    YAML string, or the dict a YAML mapping or the Python API gives."""
+    YAML string, or the dict a YAML mapping or the Python API gives. `expected` words what the field takes
+    in the error (default: a JSON object, with `example`)."""
     if value is None or isinstance(value, dict):
         return value
+    expected = expected or f"a JSON object, e.g. '{example}'"
     try:
         parsed = json.loads(value)
     except json.JSONDecodeError as err:
-        raise ValueError(f"{name} must be a JSON object, e.g. '{example}'; got {value!r} ({err.msg})") from None
+        raise ValueError(f"{name} must be {expected}; got {value!r} ({err.msg})") from None
     if not isinstance(parsed, dict):
-        raise ValueError(f"{name} must be a JSON object, e.g. '{example}'; got {value!r}")
+        raise ValueError(f"{name} must be {expected}; got {value!r}")
     return parsed
 
 
@@ -114,12 +116,7 @@ def check_json_flags(args: TrainingArguments) -> None:
     for name in JSON_OR_PATH_FLAGS:
         value = getattr(args, name, None)
         if isinstance(value, str) and value.startswith("{"):
-            try:
-                parsed = json.loads(value)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{name} must be a JSON object or a file's path; got {value!r} ({err.msg})") from None
-            if not isinstance(parsed, dict):
-                raise ValueError(f"{name} must be a JSON object or a file's path; got {value!r}")
+            _init_kwargs(value, name, expected="a JSON object or a file's path")
 
 
 def check_init_dtype(init_kwargs: dict | None, name: str) -> None:
